@@ -1,0 +1,12 @@
+"""moe-ep: an expert-parallel Mixture-of-Experts layer with Triton expert compute.
+
+Importing moe_ep first decides how kernels run (compiled on a GPU, Triton's interpreter without one):
+see :mod:`moe_ep.triton_runtime`.
+"""
+
+from . import triton_runtime  # noqa: F401  (must precede any triton import)
+from .errors import MoEEpConfigError, MoEEpError, MoEEpInputError
+
+__version__ = "0.1.0"
+
+__all__ = ["MoEEpError", "MoEEpConfigError", "MoEEpInputError", "__version__"]

@@ -1,0 +1,84 @@
+"""EpConfig and its enums. Every rule a configuration must obey is checked here, once."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .errors import MoEEpConfigError
+
+
+class Algorithm(enum.Enum):
+    """LOW_LATENCY (decode: fixed-size buffers, graph-capturable) or HIGH_THROUGHPUT (prefill)."""
+    LOW_LATENCY = "ll"
+    HIGH_THROUGHPUT = "ht"
+
+
+class Layout(enum.Enum):
+    """What dispatch hands the compute (DESIGN.md's contract table)."""
+    EXPERT_MAJOR = "expert_major"
+    RANK_MAJOR = "rank_major"   # LL only
+    FLAT = "flat"               # HT only
+
+
+class Format(enum.Enum):
+    """Number format of weights or activations."""
+    BF16 = "bf16"
+    NVFP4 = "nvfp4"
+
+
+def _err(field: str, value, allowed: str) -> MoEEpConfigError:
+    return MoEEpConfigError(f"EpConfig.{field} = {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class EpConfig:
+    """One MoE layer's expert-parallel configuration. Validated on construction.
+
+    ``num_experts`` global experts (E, a multiple of the world size), ``top_k`` picks per token,
+    ``hidden_size`` H, ``intermediate_size`` I (per expert), ``max_tokens_per_rank`` T (the most tokens a
+    rank passes to one forward), the algorithm and layout, and the formats of the expert weights and of
+    the activations the experts consume.
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    max_tokens_per_rank: int
+    algorithm: Algorithm = Algorithm.LOW_LATENCY
+    layout: Layout = Layout.EXPERT_MAJOR
+    weight_format: Format = Format.BF16
+    activation_format: Format = Format.BF16
+
+    def __post_init__(self):
+        for name in ("algorithm", "layout", "weight_format", "activation_format"):
+            enum_type = {"algorithm": Algorithm, "layout": Layout}.get(name, Format)
+            v = getattr(self, name)
+            if not isinstance(v, enum_type):
+                try:
+                    object.__setattr__(self, name, enum_type(v))
+                except ValueError:
+                    raise _err(name, v, ", ".join(repr(m.value) for m in enum_type)) from None
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "max_tokens_per_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise _err(name, v, "a positive int")
+        if self.top_k > self.num_experts:
+            raise _err("top_k", self.top_k, f"<= num_experts ({self.num_experts})")
+        h_mult = 32 if self.activation_format is Format.NVFP4 else 16
+        if self.hidden_size % h_mult:
+            raise _err("hidden_size", self.hidden_size,
+                       f"a multiple of {h_mult}" + (" (NVFP4 activations)" if h_mult == 32 else ""))
+        if self.intermediate_size % 16:
+            raise _err("intermediate_size", self.intermediate_size, "a multiple of 16")
+        if self.algorithm is Algorithm.LOW_LATENCY and self.layout is Layout.FLAT:
+            raise _err("layout", self.layout.value, "EXPERT_MAJOR or RANK_MAJOR with LOW_LATENCY")
+        if self.algorithm is Algorithm.HIGH_THROUGHPUT and self.layout is Layout.RANK_MAJOR:
+            raise _err("layout", self.layout.value, "EXPERT_MAJOR or FLAT with HIGH_THROUGHPUT")
+
+    def local_experts(self, world_size: int) -> int:
+        """Experts per rank; raises MoEEpConfigError unless num_experts divides evenly."""
+        if world_size <= 0 or self.num_experts % world_size:
+            raise _err("num_experts", self.num_experts, f"a multiple of the world size ({world_size})")
+        return self.num_experts // world_size

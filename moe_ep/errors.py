@@ -1,0 +1,19 @@
+"""The exceptions moe-ep raises. All subclass :class:`MoEEpError`; catch that to catch them all."""
+
+
+class MoEEpError(Exception):
+    """Base class of every error moe-ep raises on purpose."""
+
+
+class MoEEpConfigError(MoEEpError, ValueError):
+    """A configuration (EpConfig, tuned-config file, transport setting) is invalid."""
+
+
+class MoEEpInputError(MoEEpError, ValueError):
+    """A tensor or argument passed to a moe-ep function is invalid (shape, dtype, device, values)."""
+
+
+def check(cond: bool, what: str, value, allowed: str, exc: type = MoEEpInputError) -> None:
+    """Raise ``exc`` saying that ``what`` was ``value`` and what is allowed, unless ``cond``."""
+    if not cond:
+        raise exc(f"{what} = {value!r}; allowed: {allowed}")

@@ -1,0 +1,7 @@
+"""moe-ep's Triton kernels (each with a plain-torch reference in ``moe_ep.reference``)."""
+
+from .nvfp4 import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, quantize_nvfp4,
+                    swizzle_scales, unswizzle_scales)
+
+__all__ = ["NvFp4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "gather_quantize_nvfp4", "nvfp4_global_scale",
+           "swizzle_scales", "unswizzle_scales"]

@@ -1,0 +1,159 @@
+"""How moe-ep runs its Triton kernels: compiled on a GPU, through Triton's interpreter without one.
+
+Importing ``moe_ep`` imports this module first. Without CUDA it sets ``TRITON_INTERPRET=1`` (before
+triton is imported, since ``@triton.jit`` reads it at decoration time) and patches the interpreter's
+known traps in Triton 3.6-3.9, so the same kernel code gives the GPU's answers on a CPU:
+
+* bf16 ``tl.dot`` and bf16 add/multiply/compare work on the raw uint16 bits (triton issue #11584):
+  bf16 operands are upcast to fp32 first, and arithmetic results rounded back to bf16 (RNE).
+* fp32 -> bf16 / fp8 casts truncate or round half-up there; the GPU rounds to nearest even
+  (and saturates fp8 with ``satfinite``): casts are done through torch, which rounds like the GPU.
+* ``@triton.autotune`` asks the (absent) driver for a benchmarker ("0 active drivers"): it gets a
+  wall-clock one.
+
+``tl.sum`` on bf16 is still wrong in the interpreter: kernels reduce in fp32. None of this touches the
+compiled GPU path: the patches are applied only when the interpreter is on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+_CUDA = torch.cuda.is_available()
+
+if not _CUDA and "TRITON_INTERPRET" not in os.environ:
+    if "triton" in sys.modules:
+        warnings.warn(
+            "moe_ep: no CUDA device and triton was imported before moe_ep; kernels need "
+            "TRITON_INTERPRET=1 set before triton is imported to run on the CPU",
+            stacklevel=2,
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+"""True when kernels run through Triton's interpreter (no GPU, or asked for)."""
+
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+def device() -> torch.device:
+    """The device moe-ep kernels run on: the current CUDA device, else the CPU (interpreter)."""
+    return torch.device("cuda", torch.cuda.current_device()) if _CUDA else torch.device("cpu")
+
+
+_TORCH_OF = {}  # triton scalar type -> torch dtype, for the casts done through torch
+
+
+def _torch_dtype(tt):
+    if not _TORCH_OF:
+        _TORCH_OF.update({
+            tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float32: torch.float32,
+            tl.float64: torch.float64, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2,
+        })
+    return _TORCH_OF.get(tt)
+
+
+_FP8_MAX = {tl.float8e4nv: 448.0, tl.float8e5: 57344.0}
+_LOW = (tl.bfloat16, tl.float8e4nv, tl.float8e5)  # the interpreter holds these as raw bits
+_BITS = {16: np.int16, 8: np.uint8}
+
+
+def _torch_cast(data: np.ndarray, src, dst):
+    """Cast numpy-held triton values from scalar type src to dst through torch (RNE, fp8 satfinite)."""
+    data = np.ascontiguousarray(data)
+    if src in _LOW:  # stored as raw bits: reinterpret as the torch dtype
+        t = torch.from_numpy(data.view(_BITS[src.primitive_bitwidth])).view(_torch_dtype(src))
+    else:
+        t = torch.from_numpy(data)
+    t = t.to(torch.float32)
+    if dst in _FP8_MAX:
+        t = t.clamp(-_FP8_MAX[dst], _FP8_MAX[dst])  # NaN stays NaN, as with cvt.satfinite
+    out = t.to(_torch_dtype(dst))
+    if dst in _LOW:
+        out = out.view(torch.int16 if dst.primitive_bitwidth == 16 else torch.uint8)
+    return out.numpy().view(_np_dtype_of(dst))
+
+
+def _np_dtype_of(tt):
+    from triton.runtime.interpreter import _get_np_dtype
+    return _get_np_dtype(tt)
+
+
+def _handled_by_torch(src, dst) -> bool:
+    floats = (tl.float16, tl.float32, tl.float64) + _LOW
+    return src in floats and dst in floats and (src in _LOW or dst in _LOW)
+
+
+def _to_f32(handle):
+    """A bf16 handle's values as fp32 numpy (other handles unchanged)."""
+    if handle.dtype.scalar == tl.bfloat16:
+        return _torch_cast(handle.data, tl.bfloat16, tl.float32)
+    return handle.data
+
+
+def _patch_interpreter() -> None:
+    from triton.runtime import interpreter as interp
+    from triton.runtime.autotuner import Autotuner
+
+    builder = interp.InterpreterBuilder
+    if getattr(builder, "_moe_ep_patched", False):
+        return
+    TensorHandle = interp.TensorHandle
+    orig_binary, orig_cast, orig_fp_to_fp, orig_dot = (
+        builder.binary_op, builder.cast_impl, builder.create_fp_to_fp, builder.create_dot)
+
+    def binary_op(self, lhs, rhs, op):
+        if tl.bfloat16 not in (lhs.dtype.scalar, rhs.dtype.scalar):
+            return orig_binary(self, lhs, rhs, op)
+        out = op(_to_f32(lhs), _to_f32(rhs))
+        if out.dtype == np.bool_:
+            return TensorHandle(out, tl.int1)
+        return TensorHandle(_torch_cast(out.astype(np.float32), tl.float32, tl.bfloat16), tl.bfloat16)
+
+    def cast_impl(self, src, dst_type):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if _handled_by_torch(s, d):
+            return TensorHandle(_torch_cast(src.data, s, d), d)
+        return orig_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if _handled_by_torch(s, d) and rounding_mode in (None, interp._ir.ROUNDING_MODE.RTNE):
+            return TensorHandle(_torch_cast(src.data, s, d), d)
+        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a32, b32 = _to_f32(a), _to_f32(b)
+            acc = d.data if d.dtype.scalar != tl.bfloat16 else _to_f32(d)
+            out = np.matmul(a32.astype(np.float32), b32.astype(np.float32)) + acc
+            if d.dtype.scalar == tl.bfloat16:
+                return TensorHandle(_torch_cast(out.astype(np.float32), tl.float32, tl.bfloat16), tl.bfloat16)
+            return TensorHandle(out.astype(d.data.dtype), d.dtype.scalar)
+        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.binary_op = binary_op
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+    builder.create_dot = create_dot
+    builder._moe_ep_patched = True
+
+    def wall_clock_bench(fn, quantiles=None, **_):
+        t0 = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        return [ms] * len(quantiles) if quantiles else ms
+
+    # a property, so an autotuner built before or after this sees it; the real one asks the driver
+    Autotuner.do_bench = property(lambda self: wall_clock_bench)
+
+
+if INTERPRETER:
+    _patch_interpreter()

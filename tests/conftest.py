@@ -1,0 +1,29 @@
+"""Test setup: moe_ep first (it picks the interpreter without a GPU), hypothesis profiles, markers."""
+
+import os
+
+import moe_ep  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("fuzz", max_examples=2000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def dev():
+    """The device the kernels run on here (cuda, or cpu through the interpreter)."""
+    return moe_ep.triton_runtime.device()
