@@ -26,8 +26,11 @@ def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_global_scale_ref(x: torch.Tensor, per_slice: bool = False) -> torch.Tensor:
     """The default global scale of x: one scalar, or one per ``x[i]`` when ``per_slice``."""
-    a = x.float().abs()
-    amax = a.flatten(1).amax(dim=1) if per_slice else a.amax()
+    a = x.abs()  # exact in x's dtype; max is one of its values
+    if a.numel() == 0:
+        amax = torch.zeros(a.shape[0] if per_slice else (), device=x.device)
+    else:
+        amax = a.flatten(1).amax(dim=1) if per_slice else a.amax()
     return global_scale_from_amax(amax)
 
 

@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def dev():
     """The device the kernels run on here (cuda, or cpu through the interpreter)."""
     return moe_ep.triton_runtime.device()

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..errors import MoEEpInputError, check
-from ..reference import (NVFP4_BLOCK, global_scale_from_amax, swizzle_scales_ref, swizzled_scale_shape,
+from ..reference import (NVFP4_BLOCK, nvfp4_global_scale_ref, swizzle_scales_ref, swizzled_scale_shape,
                          unswizzle_scales_ref)
 from ..triton_runtime import device as kernel_device
 from . import tuning
@@ -188,9 +188,7 @@ def nvfp4_global_scale(x: torch.Tensor, per_slice: bool = False) -> torch.Tensor
     ``per_slice=True`` gives one scale per ``x[i]`` (e.g. per expert of ``[L, N, K]`` weights). No host sync.
     """
     _check_x(x, "x")
-    a = x.detach().abs()
-    amax = a.flatten(1).amax(dim=1) if (per_slice and x.dim() > 1) else a.amax()
-    return global_scale_from_amax(amax)
+    return nvfp4_global_scale_ref(x.detach(), per_slice=per_slice and x.dim() > 1)
 
 
 def _check_x(x, name: str) -> None:
@@ -342,3 +340,21 @@ def unswizzle_scales(buf: torch.Tensor, rows: int, scale_cols: int) -> torch.Ten
     check(buf.dtype == torch.float8_e4m3fn, "buf.dtype", buf.dtype, "torch.float8_e4m3fn")
     return unswizzle_scales_ref(buf, rows, scale_cols)
 
+
+
+def _compile_checks():
+    """(kernel, signature, constexprs) per variant, for tests/test_compile.py (sm_90 / sm_100 builds)."""
+    checks = []
+    for xt in ("bf16", "fp16", "fp32"):
+        for has_idx in (False, True):
+            for swz in (False, True):
+                sig = {"x_ptr": f"*{xt}", "idx_ptr": "*i64" if has_idx else f"*{xt}", "gs_ptr": "*fp32",
+                       "q_ptr": "*u8", "s_ptr": "*u8", **{a: "i32" for a in (
+                           "R", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp")}}
+                checks.append((_quantize_kernel.fn, sig, {"HAS_IDX": has_idx, "SWIZZLE": swz, "BLOCK_M": 16,
+                                                          "BLOCK_K": 512}))
+        for swz in (False, True):
+            sig = {"q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": f"*{xt}",
+                   **{a: "i32" for a in ("R", "K", "rows_per_gs", "slice_rows", "slice_cp")}}
+            checks.append((_dequantize_kernel.fn, sig, {"SWIZZLE": swz, "BLOCK_M": 16, "BLOCK_K": 512}))
+    return checks
