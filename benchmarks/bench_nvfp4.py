@@ -42,6 +42,8 @@ def main():
         exact = torch.equal(q.data, d) and torch.equal(q.scales.view(torch.uint8), s.view(torch.uint8))
         nbytes = x.numel() * 2 + q.data.numel() + q.scales.numel()
         t_q = bench(lambda: quantize_nvfp4(x, gs, check_finite=False))
+        t_qg = triton.testing.do_bench_cudagraph(lambda: quantize_nvfp4(x, gs, check_finite=False), rep=200,
+                                                 return_mode="median") * 1e-3
         t_qs = bench(lambda: quantize_nvfp4(x, gs, swizzle=True, check_finite=False))
         t_qa = bench(lambda: quantize_nvfp4(x, check_finite=False))  # + amax pass for the global scale
         t_ref = bench(lambda: quantize_nvfp4_ref(x, gs))
@@ -49,6 +51,7 @@ def main():
         small_copy = bench(lambda: x.clone())
         rows.append(dict(shape=f"{m}x{k}", exact=exact, bytes=nbytes, quant_us=t_q * 1e6,
                          quant_gbps=nbytes / t_q / 1e9, pct_copy=100 * nbytes / t_q / copy_bw,
+                         quant_graph_us=t_qg * 1e6, graph_pct_copy=100 * nbytes / t_qg / copy_bw,
                          quant_swizzled_us=t_qs * 1e6, quant_with_amax_us=t_qa * 1e6, torch_ref_us=t_ref * 1e6,
                          speedup_vs_ref=t_ref / t_q, dequant_us=t_dq * 1e6, dequant_gbps=nbytes / t_dq / 1e9,
                          same_size_copy_us=small_copy * 1e6))
@@ -59,10 +62,12 @@ def main():
             json.dump(res, f, indent=1)
     print(f"\n{res['device']}: device copy {copy_bw / 1e9:.0f} GB/s (read + write, 1 GiB)")
     print(f"{'shape':>11} {'exact':>5} {'quant us':>9} {'GB/s':>6} {'%copy':>6} {'swz us':>7} {'+amax us':>8} "
+          f"{'graph us':>8} {'%copy':>6} "
           f"{'torch us':>9} {'x ref':>6} {'deq us':>7} {'deq GB/s':>8}")
     for r in rows:
         print(f"{r['shape']:>11} {str(r['exact']):>5} {r['quant_us']:9.1f} {r['quant_gbps']:6.0f} {r['pct_copy']:6.1f} "
-              f"{r['quant_swizzled_us']:7.1f} {r['quant_with_amax_us']:8.1f} {r['torch_ref_us']:9.1f} "
+              f"{r['quant_swizzled_us']:7.1f} {r['quant_with_amax_us']:8.1f} {r['quant_graph_us']:8.1f} "
+              f"{r['graph_pct_copy']:6.1f} {r['torch_ref_us']:9.1f} "
               f"{r['speedup_vs_ref']:6.1f} {r['dequant_us']:7.1f} {r['dequant_gbps']:8.0f}")
 
 

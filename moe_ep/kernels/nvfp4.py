@@ -97,14 +97,14 @@ def swizzled_offset(m, c, CP):
     return ((m // 128) * (CP // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
 
 
-@triton.autotune(configs=tuning.nvfp4_configs(), key=["K", "SWIZZLE"])
+@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
 @triton.jit
 def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_per_gs, slice_rows, slice_cp,
-                     HAS_IDX: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                     K_BUCKET, HAS_IDX: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    NB: tl.constexpr = BLOCK_K // 16
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rmask = rows < R
     if HAS_IDX:
         src = tl.load(idx_ptr + rows, mask=rmask, other=-1).to(tl.int64)
@@ -112,25 +112,24 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_
     else:
         src = rows.to(tl.int64)
         valid = rmask
-    x = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=valid[:, None] & (cols[None, :] < K),
-                other=0.0).to(tl.float32)
+    # load as [rows, blocks, 16] so each 16-block sits in few threads (amax and packing stay in registers)
+    sc = pid_k * NB + tl.arange(0, NB)
+    cols3 = sc[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    x = tl.load(x_ptr + src[:, None, None] * stride_x + cols3,
+                mask=valid[:, None, None] & (cols3 < K), other=0.0).to(tl.float32)
     gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)
 
-    NB: tl.constexpr = BLOCK_K // 16
-    xb = tl.reshape(x, [BLOCK_M, NB, 16])
-    amax = tl.max(tl.abs(xb), axis=2)
+    amax = tl.max(tl.abs(x), axis=2)
     y = tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * gs[:, None], 448.0)
     s_val, s_byte = e4m3_rne(y)
     gs2 = tl.broadcast_to(gs[:, None], s_val.shape)
     inv = tl.where(s_val > 0, tl.math.div_rn(gs2, tl.where(s_val > 0, s_val, 1.0)), 0.0)
-    codes = e2m1_codes(xb * inv[:, :, None])
-    lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_K // 2, 2]))
+    codes = e2m1_codes(x * inv[:, :, None])
+    lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, NB, 8, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
-
-    half_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * (K // 2) + half_cols[None, :], packed,
-             mask=rmask[:, None] & (half_cols[None, :] < K // 2))
-    sc = pid_k * NB + tl.arange(0, NB)
+    half3 = sc[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * (K // 2) + half3, packed,
+             mask=rmask[:, None, None] & (half3 < K // 2))
     smask = rmask[:, None] & (sc[None, :] < K // 16)
     if SWIZZLE:
         m = rows % slice_rows
@@ -141,20 +140,20 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_
     tl.store(s_ptr + s_off, s_byte.to(tl.uint8), mask=smask)
 
 
-@triton.autotune(configs=tuning.nvfp4_configs(), key=["K", "SWIZZLE"])
+@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
 @triton.jit
-def _dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, R, K, rows_per_gs, slice_rows, slice_cp,
+def _dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, R, K, rows_per_gs, slice_rows, slice_cp, K_BUCKET,
                        SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < R
-    half_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * (K // 2) + half_cols[None, :],
-                mask=rmask[:, None] & (half_cols[None, :] < K // 2), other=0).to(tl.int32)
-    vals = tl.reshape(tl.join(e2m1_values(q & 0xF), e2m1_values(q >> 4)), [BLOCK_M, BLOCK_K // 16, 16])
     NB: tl.constexpr = BLOCK_K // 16
     sc = pid_k * NB + tl.arange(0, NB)
+    half3 = sc[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None, None] * (K // 2) + half3,
+                mask=rmask[:, None, None] & (half3 < K // 2), other=0).to(tl.int32)
+    vals = tl.reshape(tl.join(e2m1_values(q & 0xF), e2m1_values(q >> 4)), [BLOCK_M, NB, 16])
     smask = rmask[:, None] & (sc[None, :] < K // 16)
     if SWIZZLE:
         m = rows % slice_rows
@@ -166,10 +165,9 @@ def _dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, R, K, rows_per_gs, slice_r
     gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)
     prod = vals * s_val[:, :, None]
     out = tl.math.div_rn(prod, tl.broadcast_to(gs[:, None, None], prod.shape))
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-             tl.reshape(out, [BLOCK_M, BLOCK_K]).to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (cols[None, :] < K))
+    cols3 = sc[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * K + cols3, out.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None, None] & (cols3 < K))
 
 
 @triton.jit
@@ -250,7 +248,7 @@ def _launch_quantize(x2, idx, gs, R, K, rows_per_gs, out_shape, swizzle):
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
         _quantize_kernel[grid](x2, idx if idx is not None else x2, gs, data, scales.view(torch.uint8), R, K,
-                               x2.stride(0), rows_per_gs, max(slice_rows, 1), slice_cp,
+                               x2.stride(0), rows_per_gs, max(slice_rows, 1), slice_cp, tuning.size_bucket(K),
                                HAS_IDX=idx is not None, SWIZZLE=swizzle)
     return NvFp4Tensor(data, scales, gs, torch.Size(out_shape), swizzle)
 
@@ -324,7 +322,7 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
         _dequantize_kernel[grid](q.data, q.scales.view(torch.uint8), gs, out, R, K, rows_per_gs,
-                                 max(slice_rows, 1), slice_cp, SWIZZLE=q.swizzled)
+                                 max(slice_rows, 1), slice_cp, tuning.size_bucket(K), SWIZZLE=q.swizzled)
     return out
 
 
@@ -350,11 +348,11 @@ def _compile_checks():
             for swz in (False, True):
                 sig = {"x_ptr": f"*{xt}", "idx_ptr": "*i64" if has_idx else f"*{xt}", "gs_ptr": "*fp32",
                        "q_ptr": "*u8", "s_ptr": "*u8", **{a: "i32" for a in (
-                           "R", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp")}}
+                           "R", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
                 checks.append((_quantize_kernel.fn, sig, {"HAS_IDX": has_idx, "SWIZZLE": swz, "BLOCK_M": 16,
                                                           "BLOCK_K": 512}))
         for swz in (False, True):
             sig = {"q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": f"*{xt}",
-                   **{a: "i32" for a in ("R", "K", "rows_per_gs", "slice_rows", "slice_cp")}}
+                   **{a: "i32" for a in ("R", "K", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
             checks.append((_dequantize_kernel.fn, sig, {"SWIZZLE": swz, "BLOCK_M": 16, "BLOCK_K": 512}))
     return checks

@@ -12,6 +12,12 @@ import triton
 from ..triton_runtime import INTERPRETER
 
 
+def size_bucket(n: int, lo: int = 256) -> int:
+    """Power-of-two class of a size (at least ``lo``): autotune keys on it, so a new size in the same
+    class reuses the tuned config instead of re-tuning."""
+    return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
 def nvfp4_configs() -> list[triton.Config]:
     """Quantize/dequantize tiles: memory bound, so wide K blocks and enough rows in flight."""
     if INTERPRETER:
