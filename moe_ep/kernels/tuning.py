@@ -38,6 +38,7 @@ from ..errors import MoEEpConfigError  # noqa: E402
 
 GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
+QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape class
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": swap AB so the tokens sit in the MMA's N slot
 
 
@@ -86,6 +87,7 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     n, k = int(named_args["N"]), int(named_args["K"])
     groups = int(named_args["G"])
     decode = m <= DECODE_MAX_M
+    swiglu = bool(kwargs.get("SWIGLU", named_args.get("SWIGLU", False)))
     keep = []
     for c in configs:
         kw = c.kwargs
@@ -95,11 +97,15 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
             continue
         if not decode and kw["BLOCK_M"] > max(m, 64):
             continue
+        if swiglu and not decode and kw["BLOCK_M"] * kw["BLOCK_N"] > 128 * 128 and not INTERPRETER:
+            continue  # gate and up accumulators: twice the registers
         too_wide = kw["BLOCK_N"] > max(triton.next_power_of_2(n), 16) or kw["BLOCK_K"] > max(
             triton.next_power_of_2(k), 32)
         if too_wide and not INTERPRETER:
             continue
         keep.append(c)
+    if os.environ.get(QUICK_ENV) and len(keep) > 3:  # bounded search (benchmarks' --quick)
+        keep = keep[:2] + keep[-1:]
     if not INTERPRETER and len(keep) > 1:
         full = [c for c in keep if groups * triton.cdiv(m, c.kwargs["BLOCK_M"]) * triton.cdiv(n, c.kwargs["BLOCK_N"])
                 >= sm_count()]
