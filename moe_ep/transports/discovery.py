@@ -190,6 +190,6 @@ def format_transports_table(infos: list[TransportInfo] | None = None) -> str:
     rows = [("transport", "available", "details / install")]
     for t in infos:
         rows.append((t.name, "yes" if t.available else "no",
-                     t.reason if t.available else f"{t.reason} -> {t.install}"))
+                     f"{t.reason} -> {t.install}" if t.reason.startswith("not installed") else t.reason))
     w0, w1 = (max(len(r[i]) for r in rows) for i in range(2))
     return "\n".join(f"{a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
