@@ -141,6 +141,20 @@ class Tensor:
         return id(self._ep_t)
 
 
+class _Snapshot:
+    """Like nccl._extensions._binding_helpers.binding_dataclass: the C struct (``_lowpp``) is filled once, at
+    construction; assigning a field afterwards does not reach the library. The stand-in reads ``_lowpp``."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_lowpp", types.SimpleNamespace(**{k: getattr(self, k)
+                                                                     for k in self.__dataclass_fields__}))
+
+
+def lib(obj):
+    """What the library sees of a bundle / config (None stays None)."""
+    return None if obj is None else obj._lowpp
+
+
 @dataclass
 class AllocConfig:
     alloc_fn: object = None
@@ -149,7 +163,7 @@ class AllocConfig:
 
 
 @dataclass
-class GroupConfig:
+class GroupConfig(_Snapshot):
     algorithm: Algorithm = Algorithm.LOW_LATENCY
     num_experts: int = 0
     max_dispatch_tokens_per_rank: int = 0
@@ -168,12 +182,12 @@ class GroupConfig:
 
 
 @dataclass
-class HandleConfig:
+class HandleConfig(_Snapshot):
     dispatch_output_per_expert_alignment: int = 0
 
 
 @dataclass
-class DispatchConfig:
+class DispatchConfig(_Snapshot):
     send_only: int = 0
     round_scales: int = 0
     pass_direction: PassDir = PassDir.FWD
@@ -181,14 +195,14 @@ class DispatchConfig:
 
 
 @dataclass
-class CombineConfig:
+class CombineConfig(_Snapshot):
     send_only: int = 0
     pass_direction: PassDir = PassDir.FWD
     quantization_recipe: CombineQuantizationRecipe = CombineQuantizationRecipe.NONE
 
 
 @dataclass
-class LayoutInfo:
+class LayoutInfo(_Snapshot):
     expert_counters: Tensor | None = None
     src_rank_counters: Tensor | None = None
     expert_offsets: Tensor | None = None
@@ -197,14 +211,14 @@ class LayoutInfo:
 
 
 @dataclass
-class DispatchInputs:
+class DispatchInputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
     scales: Tensor | None = None
 
 
 @dataclass
-class DispatchOutputs:
+class DispatchOutputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
     scales: Tensor | None = None
@@ -212,14 +226,14 @@ class DispatchOutputs:
 
 
 @dataclass
-class CombineInputs:
+class CombineInputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
     scales: Tensor | None = None
 
 
 @dataclass
-class CombineOutputs:
+class CombineOutputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
 
@@ -259,9 +273,9 @@ class Group:
     @classmethod
     def create(cls, comm, config):
         calls.append(("Group.create", config))
-        c = config
+        need(isinstance(config, GroupConfig), "config must be a GroupConfig")
+        c = lib(config)
         need(isinstance(comm, FakeComm), "Group.create needs the nccl.core communicator")
-        need(isinstance(c, GroupConfig), "config must be a GroupConfig")
         need(c.algorithm in (Algorithm.LOW_LATENCY, Algorithm.HIGH_THROUGHPUT), "invalid algorithm")
         need(c.num_experts > 0 and c.num_experts % comm.nranks == 0, "num_experts must be > 0, a multiple of R")
         need(c.max_dispatch_tokens_per_rank > 0, "max_dispatch_tokens_per_rank must be > 0")
@@ -282,7 +296,7 @@ class Group:
         calls.append(("Group.create_handle", layout, layout_info))
         need(self.alive, "Group destroyed")
         h = Handle(self, Layout(layout))
-        h._bind(topk_idx, layout_info)
+        h._bind(topk_idx, lib(layout_info))
         live["handles"] += 1
         return h
 
@@ -339,15 +353,16 @@ class Handle:
     def update(self, topk_idx, *, layout_info=None, stream):
         calls.append(("Handle.update", layout_info))
         need(self.alive, "Handle destroyed")
-        self._bind(topk_idx, layout_info)
+        self._bind(topk_idx, lib(layout_info))
 
     # ---- dispatch ----
     def dispatch(self, inputs, outputs, *, layout_info=None, config=None, stream):
         calls.append(("Handle.dispatch", inputs, outputs, layout_info, config))
         need(self.alive, "Handle destroyed")
+        inputs, outputs, layout_info, config = lib(inputs), lib(outputs), lib(layout_info), lib(config)
         g, B, K = self.g, self.B, self.K
         R, T, L = g.R, g.cfg.max_dispatch_tokens_per_rank, g.L
-        cfg = config or DispatchConfig()
+        cfg = config or lib(DispatchConfig())
         need(cfg.send_only == 0 and cfg.pass_direction == PassDir.FWD, "moe-ep uses blocking forward dispatch")
         rec = cfg.quantization_recipe
         need(rec in (DispatchQuantizationRecipe.NONE, DispatchQuantizationRecipe.FWD), f"recipe {rec!r} not used")
@@ -474,7 +489,8 @@ class Handle:
     def combine(self, inputs, outputs, *, config=None, stream):
         calls.append(("Handle.combine", inputs, outputs, config))
         need(self.alive and self.dispatched, "combine needs the handle of a dispatch")
-        cfg = config or CombineConfig()
+        inputs, outputs = lib(inputs), lib(outputs)
+        cfg = lib(config) or lib(CombineConfig())
         need(cfg.pass_direction == PassDir.FWD and cfg.send_only == 0, "moe-ep uses blocking forward combine")
         need(cfg.quantization_recipe == CombineQuantizationRecipe.NONE, "combine recipe NONE")
         _absent(inputs.topk_weights, "inputs.topk_weights (FWD combine forbids it)")

@@ -114,16 +114,28 @@ def test_stand_in_catches_ht_em_counter_dtype(monkeypatch):
         t.dispatch(*routing(4, 8, 3, 0))
 
 
-def test_stand_in_catches_unpinned_id_kind_and_missing_weights():
+@pytest.mark.parametrize("alg,lay", [(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR),
+                                     (Algorithm.HIGH_THROUGHPUT, Layout.FLAT)])
+def test_stand_in_catches_unpinned_id_kind(monkeypatch, alg, lay):
+    monkeypatch.setattr(nccl_mod, "RECV_TOPK_IDX_KIND", "AUTO")
+    with pytest.raises(ContractViolation, match="LOCAL"):
+        t, _ = nccl(cfg(alg, lay))
+        t.dispatch(*routing(4, 8, 3, 0))
+
+
+def test_stand_in_reads_structs_as_built():
+    """binding_dataclass fills the C struct at construction: a later assignment does not reach the library."""
     c = cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR)
     t, ep = nccl(c)
-    t.dispatch_info.recv_topk_idx_kind = ep.ExpertIdKind.AUTO
-    with pytest.raises(ContractViolation, match="LOCAL"):
-        t.dispatch(*routing(4, 8, 3, 0))
-    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
-    t, ep = nccl(c)
+    t.dispatch_info.recv_topk_idx_kind = ep.ExpertIdKind.AUTO    # no effect, as with the real bindings
     t.dispatch(*routing(4, 8, 3, 0))
-    t._last = (t._last[0], t._last[1][:, :2].contiguous(), t._last[2])   # weights of the wrong shape
+
+
+def test_stand_in_catches_missing_combine_weights():
+    t, ep = nccl(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR))
+    t.dispatch(*routing(4, 8, 3, 0))
+    cout, out, stream = t._last
+    t._last = (ep.CombineOutputs(tokens=cout.tokens), out, stream)   # mutate: leave out the weights
     with pytest.raises(ContractViolation, match="topk_weights"):
         t.combine(torch.zeros(t.bufs["tokens"].shape, dtype=torch.bfloat16))
 
@@ -158,7 +170,7 @@ def test_nccl_ep_nvfp4_forwards_packed_rows(alg, lay):
     q = NvFp4Tensor(data, scales, torch.tensor(3.0), torch.Size((B, H)))
     res = t.dispatch(q, idx, w)
     d = next(c_ for c_ in ep.calls if c_[0] == "Handle.dispatch")
-    assert d[1].tokens._ep_t.datatype == 12 and d[4].quantization_recipe == ep.DispatchQuantizationRecipe.FWD
+    assert d[1]._lowpp.tokens._ep_t.datatype == 12 and d[4]._lowpp.quantization_recipe == ep.DispatchQuantizationRecipe.FWD
     assert isinstance(res.tokens, NvFp4Tensor) and res.tokens.shape[-1] == H
     got = res.tokens.data.reshape(-1, H // 2)
     sent = {bytes(r.tolist()) for r, ok in zip(data, (idx >= 0).any(1)) if ok}
@@ -201,3 +213,22 @@ def test_stand_in_catches_wrong_nixl_topk_dtype():
 def test_nixl_ep_config_errors(kw, match):
     with pytest.raises(MoEEpConfigError, match=match):
         nixl(cfg(**kw))
+
+
+def test_nccl_ep_steady_state_builds_nothing(monkeypatch):
+    """With the same input buffers, steps after the first construct no descriptor or bundle (host time)."""
+    c = cfg(Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR)
+    t, ep = nccl(c)
+    made = []
+    for name in ("Tensor", "DispatchInputs", "CombineInputs", "CombineOutputs"):
+        real = getattr(ep, name)
+        monkeypatch.setattr(ep, name, (lambda r, n: lambda *a, **k: made.append(n) or r(*a, **k))(real, name))
+    x, idx, w = routing(8, c.num_experts, c.top_k, 0)
+    y = torch.zeros(t.bufs["tokens"].shape, dtype=torch.bfloat16)
+    t.dispatch(x, idx, w)
+    t.combine(y)
+    first = len(made)
+    for _ in range(3):
+        t.dispatch(x, idx, w)
+        t.combine(y)
+    assert first > 0 and len(made) == first
