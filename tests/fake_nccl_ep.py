@@ -246,11 +246,11 @@ class FakeComm:
     """Stands in for nccl.core.Communicator."""
 
     def __init__(self, nranks=1, rank=0):
-        self.nranks, self.rank, self.destroyed = nranks, rank, False
+        self.nranks, self.rank, self.destroyed, self.groups = nranks, rank, False, 0
 
     def destroy(self):
         calls.append(("comm.destroy",))
-        need(live["groups"] == 0, "communicator destroyed while an EP group is alive")
+        need(self.groups == 0, "communicator destroyed while an EP group is alive")
         self.destroyed = True
 
 
@@ -266,7 +266,7 @@ def _absent(t, what):
 
 class Group:
     def __init__(self, comm, cfg):
-        self.comm, self.cfg, self.alive = comm, cfg, True
+        self.comm, self.cfg, self.alive, self.handles = comm, cfg, True, 0
         self.R, self.rank = comm.nranks, comm.rank
         self.L = cfg.num_experts // self.R
 
@@ -290,6 +290,7 @@ class Group:
             need(c.max_recv_tokens_per_rank == 0, "LL: max_recv_tokens_per_rank is unused, pass NCCL_EP_AUTO (0)")
         need(c.overflow_policy != OverflowPolicy.DROP, "DROP not used by moe-ep")
         live["groups"] += 1
+        comm.groups += 1
         return cls(comm, c)
 
     def create_handle(self, layout, topk_idx, *, layout_info=None, config=None, stream):
@@ -298,13 +299,15 @@ class Group:
         h = Handle(self, Layout(layout))
         h._bind(topk_idx, lib(layout_info))
         live["handles"] += 1
+        self.handles += 1
         return h
 
     def destroy(self):
         calls.append(("Group.destroy",))
-        need(live["handles"] == 0, "group destroyed before its handles")
+        need(self.handles == 0, "group destroyed before its handles")
         self.alive = False
         live["groups"] -= 1
+        self.comm.groups -= 1
 
 
 class Handle:
@@ -523,6 +526,7 @@ class Handle:
         calls.append(("Handle.destroy",))
         if self.alive:
             live["handles"] -= 1
+            self.g.handles -= 1
         self.alive = False
 
 
