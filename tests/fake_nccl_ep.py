@@ -294,7 +294,7 @@ class Group:
         return cls(comm, c)
 
     def create_handle(self, layout, topk_idx, *, layout_info=None, config=None, stream):
-        calls.append(("Group.create_handle", layout, layout_info))
+        calls.append(("Group.create_handle", layout, layout_info, topk_idx))
         need(self.alive, "Group destroyed")
         h = Handle(self, Layout(layout))
         h._bind(topk_idx, lib(layout_info))
@@ -324,6 +324,8 @@ class Handle:
         g = self.g
         need(isinstance(topk_idx, Tensor) and topk_idx.ndim == 2, "topk_idx must be a 2-D Tensor")
         need(topk_idx.dt in (I32, I64), "topk_idx must be ncclInt32 or ncclInt64")
+        # moe-ep pins int64: Group.create_handle documents int64; NCCL's contrib ncclEpUpdateHandle asserts it
+        need(topk_idx.dt == I64, "moe-ep contract: handle topk_idx is int64")
         self.B, self.K = topk_idx.sizes
         need(self.B <= g.cfg.max_dispatch_tokens_per_rank, "Token count exceeds max_dispatch_tokens_per_rank")
         if hasattr(self, "K0"):
@@ -354,7 +356,7 @@ class Handle:
         self.info = info
 
     def update(self, topk_idx, *, layout_info=None, stream):
-        calls.append(("Handle.update", layout_info))
+        calls.append(("Handle.update", layout_info, topk_idx))
         need(self.alive, "Handle destroyed")
         self._bind(topk_idx, lib(layout_info))
 
@@ -388,6 +390,8 @@ class Handle:
         w_in = inputs.topk_weights
         if self.ht or self.layout == Layout.RANK_MAJOR:
             _is(w_in, F32, (B, K), "inputs.topk_weights")
+        else:
+            _absent(w_in, "LL expert-major inputs.topk_weights (topk_weights_in == nullptr)")
         out = outputs
         if self.ht:
             _absent(layout_info, "HT dispatch layout_info (counters come at handle time)")
@@ -406,6 +410,7 @@ class Handle:
             if self.layout == Layout.EXPERT_MAJOR:
                 lead = (L, R * T)
                 _is(layout_info.expert_counters, I32, (L,), "LL EM expert_counters")
+                _absent(layout_info.src_rank_counters, "LL EM src_rank_counters (src_rank_counter == nullptr)")
                 _absent(out.topk_weights, "LL EM outputs.topk_weights")
                 _absent(out.topk_idx, "LL EM outputs.topk_idx")
             else:
@@ -413,6 +418,7 @@ class Handle:
                 _is(out.topk_weights, F32, (R, T, K), "LL RM outputs.topk_weights")
                 _is(out.topk_idx, I32, (R, T, K), "LL RM outputs.topk_idx (recv_topk_idx->datatype == ncclInt32)")
                 _is(layout_info.src_rank_counters, I32, (R,), "LL RM src_rank_counters")
+                _absent(layout_info.expert_counters, "LL RM expert_counters (recv_count == nullptr)")
                 need(layout_info.recv_topk_idx_kind == ExpertIdKind.LOCAL,
                      "moe-ep contract: recv_topk_idx_kind pinned to LOCAL")
         _is(out.tokens, x.dt, (*lead, x.sizes[1]), "outputs.tokens")
@@ -500,6 +506,7 @@ class Handle:
         _absent(inputs.scales, "inputs.scales (NONE)")
         _is(inputs.tokens, BF16, self.out_shape[:-1] + (inputs.tokens.sizes[-1],), "combine inputs.tokens")
         H = inputs.tokens.sizes[-1]
+        need(self.ht or H % 128 == 0, "LL combine: x->sizes[2] % 128 == 0")
         _is(outputs.tokens, BF16, (self.B, H), "combine outputs.tokens")
         if not self.ht and self.layout == Layout.EXPERT_MAJOR:
             _is(outputs.topk_weights, F32, (self.B, self.K), "expert-major combine requires topk_weights in outputs")

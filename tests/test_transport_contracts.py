@@ -26,19 +26,19 @@ LAYOUTS = [(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), (Algorithm.LOW_LATENCY,
 IDS = [f"{a.value}-{lay.value}" for a, lay in LAYOUTS]
 
 
-def cfg(alg, lay, T=8, H=64, E=8, K=3, act=Format.BF16):
+def cfg(alg, lay, T=8, H=128, E=8, K=3, act=Format.BF16):
     return EpConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, max_tokens_per_rank=T,
                     algorithm=alg, layout=lay, activation_format=act)
 
 
-def routing(B, E, K, seed, idx_dtype=torch.int64):
+def routing(B, E, K, seed, idx_dtype=torch.int64, H=128):
     g = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]).to(idx_dtype)
     idx[torch.rand(B, K, generator=g) < 0.2] = -1
     if B > 1:
         idx[B - 1] = -1          # a token with no expert at all
     w = torch.rand(B, K, generator=g)
-    x = torch.randn(B, 64, generator=g).to(torch.bfloat16) if True else None
+    x = torch.randn(B, H, generator=g).to(torch.bfloat16)
     return x, idx, w
 
 
@@ -86,12 +86,16 @@ def test_nccl_ep_shapes_world2(alg, lay):
     t.close()
 
 
-def test_nccl_ep_int32_topk_idx_input_accepted():
+def test_nccl_ep_int32_ids_and_bf16_weights_are_staged():
     c = cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR)
-    t, _ = nccl(c)
-    x, idx, w = routing(6, c.num_experts, c.top_k, 3, torch.int32)
-    out = t.combine(toy_compute(t.dispatch(x, idx, w), c, 0, 1))
-    torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+    t, ep = nccl(c)
+    for step in range(2):
+        x, idx, w = routing(6, c.num_experts, c.top_k, 3 + step, torch.int32)
+        w = w.to(torch.bfloat16)
+        out = t.combine(toy_compute(t.dispatch(x, idx, w), c, 0, 1))
+        torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+    ids = {c_[-1].buffer.data_ptr() for c_ in ep.calls if c_[0] in ("Group.create_handle", "Handle.update")}
+    assert ids == {t.bufs["idx_in"].data_ptr()}, "int32 ids go through the owned int64 buffer"
 
 
 # ---- the stand-in is strict: mutate the wrapper, the stand-in must catch it ----
@@ -155,7 +159,13 @@ def test_nccl_ep_ht_token_cap():
 
 def test_nccl_ep_nvfp4_hidden_rule():
     with pytest.raises(MoEEpConfigError, match="256"):
-        nccl(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=288, act=Format.NVFP4))
+        nccl(cfg(Algorithm.HIGH_THROUGHPUT, Layout.FLAT, H=288, act=Format.NVFP4))
+
+
+def test_nccl_ep_ll_hidden_rule():
+    with pytest.raises(MoEEpConfigError, match="128"):
+        nccl(cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR, H=64))
+    nccl(cfg(Algorithm.HIGH_THROUGHPUT, Layout.FLAT, H=64))
 
 
 @pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
@@ -190,10 +200,10 @@ def test_nixl_ep_ll_expert_major_world1():
     for step, B in enumerate((8, 3)):
         x, idx, w = routing(B, c.num_experts, c.top_k, step)
         res = t.dispatch(x, idx, w)
-        assert res.tokens.shape == (c.num_experts, 8, 64) and res.expert_counts.dtype == torch.int32
+        assert res.tokens.shape == (c.num_experts, 8, 128) and res.expert_counts.dtype == torch.int32
         out = t.combine(toy_compute(res, c, 0, 1))
         torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
-    assert ("connect_ranks", [0]) in m.calls and ("get_rdma_size_hint", 8, 64, 1, 8) in m.calls
+    assert ("connect_ranks", [0]) in m.calls and ("get_rdma_size_hint", 8, 128, 1, 8) in m.calls
     t.close()
     assert m.calls[-1] == ("destroy",)
 

@@ -81,6 +81,10 @@ class NcclEpTransport:
         if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
             raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
                                    f"<= {HT_MAX_TOKENS_PER_RANK} with HIGH_THROUGHPUT on transport 'nccl_ep'")
+        if not self.ht and c.hidden_size % 128:
+            # libnccl_ep.so, LL combine: "x->sizes[2] % 128 == 0"
+            raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with LOW_LATENCY on transport "
+                                   "'nccl_ep': a multiple of 128")
         if self.fp4 and c.hidden_size % 256:
             # FWD forwards the e4m3 scale rows as they are; libnccl_ep.so: "scale bytes per token must be
             # non-zero and 16-byte aligned" -> H/16 bytes % 16 == 0
@@ -132,6 +136,8 @@ class NcclEpTransport:
         else:
             b["src_rank_counts"] = z(R, dt=torch.int32)
         b["out"] = z(T, H, dt=torch.bfloat16)
+        b["idx_in"] = z(T, K, dt=torch.int64)      # only used when the caller's ids are not int64
+        b["w_in"] = z(T, K, dt=torch.float32)      # ... or its weights not float32
         ep = self.ep
         if self.ht:  # handle-time layout info (HT); LL's goes to dispatch
             self.handle_info = ep.LayoutInfo(
@@ -181,8 +187,9 @@ class NcclEpTransport:
         """Send each token to its experts' ranks; returns the layout's DispatchResult (views of owned buffers).
 
         ``hidden_states``: bf16 ``[B, H]``, or with NVFP4 activations an ``NvFp4Tensor`` (linear scales) whose
-        global scale all ranks share. ``topk_idx`` ``[B, K]`` int32/int64 global ids (-1 = none);
-        ``topk_weights`` ``[B, K]`` float32. The descriptors of a step are cached by the inputs' addresses, so
+        global scale all ranks share. ``topk_idx`` ``[B, K]`` global ids (-1 = none), int64 (other dtypes are
+        copied into an owned int64 buffer first: ``Group.create_handle`` documents int64); ``topk_weights``
+        ``[B, K]`` float32 (likewise). The descriptors of a step are cached by the inputs' addresses, so
         a caller that reuses its input buffers (CUDA graphs, static serving buffers) pays no set-up per step.
         """
         if self.fp4:
@@ -191,10 +198,10 @@ class NcclEpTransport:
             x, xs = hidden_states.data.contiguous(), hidden_states.scales.contiguous()
         else:
             x, xs = hidden_states, None
-        if topk_idx.dtype is not torch.int64 and topk_idx.dtype is not torch.int32:
-            topk_idx = topk_idx.to(torch.int64)
+        if topk_idx.dtype is not torch.int64:   # staged into an owned buffer: same address every step
+            topk_idx = self.bufs["idx_in"][:topk_idx.shape[0]].copy_(topk_idx)
         if topk_weights.dtype is not torch.float32:
-            topk_weights = topk_weights.float()
+            topk_weights = self.bufs["w_in"][:topk_weights.shape[0]].copy_(topk_weights)
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         key = (x.data_ptr(), x.shape, x.dtype, topk_idx.data_ptr(), topk_idx.shape, topk_idx.dtype,
                topk_weights.data_ptr(), topk_weights.shape, None if xs is None else xs.data_ptr())
