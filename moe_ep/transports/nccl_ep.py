@@ -69,7 +69,6 @@ class NcclEpTransport:
 
     def __init__(self, config: EpConfig, group=None, *, ep=None, comm=None, rank: int | None = None,
                  world_size: int | None = None, device=None):
-        self.ep = ep if ep is not None else load_nccl_ep()
         self.config = c = config
         if rank is None or world_size is None:
             import torch.distributed as dist
@@ -90,13 +89,14 @@ class NcclEpTransport:
             # non-zero and 16-byte aligned" -> H/16 bytes % 16 == 0
             raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with NVFP4 activations on "
                                    "transport 'nccl_ep': a multiple of 256 (16-byte rows of e4m3 scales)")
+        self.ep = ep = ep if ep is not None else load_nccl_ep()   # after the config checks: they need no library
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        ep = self.ep
         self.ep_layout = {Layout.EXPERT_MAJOR: ep.Layout.EXPERT_MAJOR, Layout.RANK_MAJOR: ep.Layout.RANK_MAJOR,
                           Layout.FLAT: ep.Layout.FLAT}[c.layout]
         self.budget = ht_recv_budget(c, world_size) if self.ht else 0
-        self._own_comm = comm is None
+        self.handle, self.group, self._own_comm = None, None, comm is None
+        self._desc_cache, self._plans = {}, {}
         self.comm = comm if comm is not None else ep.interop.torch.get_nccl_comm_from_group(group)
         self.group = ep.Group.create(self.comm, ep.GroupConfig(
             algorithm=ep.Algorithm.HIGH_THROUGHPUT if self.ht else ep.Algorithm.LOW_LATENCY,
@@ -107,8 +107,12 @@ class NcclEpTransport:
         self._desc_cache: dict = {}
         self._plans: dict = {}
         self._cuda = self.device.type == "cuda"
-        self._last = None
-        self._alloc()   # (B, topk_weights) of the last dispatch
+        self._last = None   # (combine outputs bundle, output view, stream) of the last dispatch
+        try:
+            self._alloc()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- buffers, allocated once ----
     def _alloc(self):
