@@ -195,32 +195,35 @@ def nixl(config, world=1):
 
 
 def test_nixl_ep_ll_expert_major_world1():
-    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048)
     t, m = nixl(c)
     for step, B in enumerate((8, 3)):
-        x, idx, w = routing(B, c.num_experts, c.top_k, step)
+        x, idx, w = routing(B, c.num_experts, c.top_k, step, H=2048)
         res = t.dispatch(x, idx, w)
-        assert res.tokens.shape == (c.num_experts, 8, 128) and res.expert_counts.dtype == torch.int32
+        assert res.tokens.shape == (c.num_experts, 8, 2048) and res.expert_counts.dtype == torch.int32
         out = t.combine(toy_compute(res, c, 0, 1))
         torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
-    assert ("connect_ranks", [0]) in m.calls and ("get_rdma_size_hint", 8, 128, 1, 8) in m.calls
+    assert ("connect_ranks", [0]) in m.calls and ("get_rdma_size_hint", 8, 2048, 1, 8) in m.calls
     t.close()
     assert m.calls[-1] == ("destroy",)
 
 
 def test_stand_in_catches_wrong_nixl_topk_dtype():
     import types
-    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048)
     t, m = nixl(c)
     t.nixl = types.SimpleNamespace(topk_idx_t=torch.int64, Buffer=m.Buffer)   # mutate: int64 ids
     with pytest.raises(ContractViolation, match="topk_idx"):
-        t.dispatch(*routing(4, 8, 3, 0))
+        t.dispatch(*routing(4, 8, 3, 0, H=2048))
 
 
 @pytest.mark.parametrize("kw,match", [(dict(alg=Algorithm.HIGH_THROUGHPUT, lay=Layout.FLAT), "16 ranks"),
                                       (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.RANK_MAJOR), "expert_major"),
+                                      (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.EXPERT_MAJOR, H=1024), "7168"),
+                                      (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.EXPERT_MAJOR, E=32, K=17), "16"),
                                       (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.EXPERT_MAJOR, T=6), "multiple of 4")])
 def test_nixl_ep_config_errors(kw, match):
+    kw.setdefault("H", 2048)
     with pytest.raises(MoEEpConfigError, match=match):
         nixl(cfg(**kw))
 
