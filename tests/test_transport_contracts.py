@@ -251,3 +251,11 @@ def test_nccl_ep_steady_state_builds_nothing(monkeypatch):
         t.dispatch(x, idx, w)
         t.combine(y)
     assert first > 0 and len(made) == first
+
+
+def test_needs_initialized_process_group():
+    from moe_ep.errors import MoEEpInputError
+    with pytest.raises(MoEEpInputError, match="init_process_group"):
+        NcclEpTransport(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), ep=fake_nccl_ep.make_module())
+    with pytest.raises(MoEEpInputError, match="init_process_group"):
+        NixlEpTransport(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048), nixl=fake_nixl_ep.make_module())

@@ -75,6 +75,9 @@ class NcclEpTransport:
         self.config = c = config
         if rank is None or world_size is None:
             import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                raise MoEEpInputError("torch.distributed is not initialized; allowed: transport 'nccl_ep' after "
+                                      "torch.distributed.init_process_group (world size 1 included)")
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.rank, self.world = rank, world_size
         self.L = c.local_experts(world_size)

@@ -80,6 +80,9 @@ class NixlEpTransport:
                  world_size: int | None = None, device=None):
         if rank is None or world_size is None:
             import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                raise MoEEpInputError("torch.distributed is not initialized; allowed: transport 'nixl_ep' after "
+                                      "torch.distributed.init_process_group (world size 1 included)")
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         check_nixl_config(config, world_size)
         self.nixl = nixl if nixl is not None else load_nixl_ep()
