@@ -31,7 +31,7 @@ from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
 from .base import DispatchResult
 
-HT_MAX_TOKENS_PER_RANK = 8192       # seen on H200: HT beyond 8192 tokens/rank is not supported
+HT_MAX_TOKENS_PER_RANK = 8192       # HT kernels' build-time MAX_SUPPORTED_TOKENS_PER_RANK (NCCL contrib/nccl_ep common.hpp)
 NCCL_FLOAT4X2 = 12                  # nccl_ep.h line 22: ncclFloat4x2, not a member of nccl4py's NcclDataType
 
 # dtype of the received top-k ids per (algorithm, layout), enforced by libnccl_ep.so:
@@ -40,8 +40,7 @@ RECV_TOPK_IDX_DTYPE = {(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR): torch.int32,
                        (Algorithm.HIGH_THROUGHPUT, Layout.FLAT): torch.int64}
 HT_EM_COUNTER_DTYPE = torch.int64   # "all preprocessing int output tensors must share dtype"
 RECV_TOPK_IDX_KIND = "LOCAL"        # ExpertIdKind member: pinned (AUTO "may change in a future release")
-_NCCL_DTYPE = {torch.bfloat16: 9, torch.float32: 7, torch.int32: 2, torch.int64: 4, torch.uint8: 1,
-               torch.float8_e4m3fn: 10, torch.float16: 6}
+
 
 
 def load_nccl_ep():
