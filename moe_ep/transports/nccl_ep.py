@@ -42,7 +42,6 @@ HT_EM_COUNTER_DTYPE = torch.int64   # "all preprocessing int output tensors must
 RECV_TOPK_IDX_KIND = "LOCAL"        # ExpertIdKind member: pinned (AUTO "may change in a future release")
 
 
-
 def load_nccl_ep():
     """Import ``nccl.ep`` after checking that this machine can run it; raise MoEEpBackendUnavailable if not."""
     from .discovery import INSTALL, nccl_ep_problem
