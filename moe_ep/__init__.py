@@ -5,8 +5,10 @@ see :mod:`moe_ep.triton_runtime`.
 """
 
 from . import triton_runtime  # noqa: F401  (must precede any triton import)
-from .errors import MoEEpConfigError, MoEEpError, MoEEpInputError
+from .errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpError, MoEEpInputError
+from .transports.discovery import available_transports
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEEpError", "MoEEpConfigError", "MoEEpInputError", "__version__"]
+__all__ = ["MoEEpError", "MoEEpConfigError", "MoEEpInputError", "MoEEpBackendUnavailable",
+           "available_transports", "__version__"]
