@@ -5,8 +5,12 @@ see :mod:`moe_ep.triton_runtime`.
 """
 
 from . import triton_runtime  # noqa: F401  (must precede any triton import)
+from .config import Algorithm, EpConfig, Format, Layout
 from .errors import MoEEpConfigError, MoEEpError, MoEEpInputError
+from .layer import MoEEpLayer
+from .weights import ExpertWeights
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEEpError", "MoEEpConfigError", "MoEEpInputError", "__version__"]
+__all__ = ["MoEEpLayer", "EpConfig", "Algorithm", "Layout", "Format", "ExpertWeights",
+           "MoEEpError", "MoEEpConfigError", "MoEEpInputError", "__version__"]
