@@ -17,3 +17,7 @@ def check(cond: bool, what: str, value, allowed: str, exc: type = MoEEpInputErro
     """Raise ``exc`` saying that ``what`` was ``value`` and what is allowed, unless ``cond``."""
     if not cond:
         raise exc(f"{what} = {value!r}; allowed: {allowed}")
+
+
+class MoEEpBackendUnavailable(MoEEpError, RuntimeError):
+    """A transport was asked for that cannot run here; the message says why and how to install it."""

@@ -1,0 +1,242 @@
+"""NCCL-EP transport: ``nccl.ep`` from the ``nccl-extensions`` wheel (0.1.0, built for NCCL 2.30.7).
+
+One ``nccl.ep.Group`` per transport (= per layer config), over a fresh NCCL communicator that mirrors the
+torch process group (``nccl.ep.interop.torch.get_nccl_comm_from_group``). The handle is created on the
+first step (``Group.create_handle``) and re-bound after (``Handle.update``: no re-allocation). Every output
+buffer is allocated once, at the layout's static size, and reused, so pointers stay the same from step to
+step (HT's cached mode and CUDA graphs rely on it).
+
+What each layout asks of the library (``nccl_ep.h`` in the wheel; asserts quoted from ``libnccl_ep.so``):
+
+| layout | dispatch outputs | layout_info | combine outputs |
+|---|---|---|---|
+| LL EXPERT_MAJOR | tokens [L, R*T, H] | dispatch: expert_counters [L] int32 | tokens [B, H], topk_weights [B, K] f32 (weights applied here) |
+| LL RANK_MAJOR | tokens [R, T, H], topk_weights [R, T, K] f32, topk_idx [R, T, K] **int32** | dispatch: src_rank_counters [R] int32, kind LOCAL | tokens [B, H] |
+| HT FLAT | tokens [S, H], topk_weights [S, K] f32, topk_idx [S, K] **int64**; S = T*R | handle: recv_total_counter [1], kind LOCAL | tokens [B, H] |
+| HT EXPERT_MAJOR | tokens [S, H], topk_weights [S] f32 (1-D); S = T*R*K | handle: expert_counters, expert_offsets [L], recv_total_counter [1], all int64 | tokens [B, H] |
+
+LL dispatch also takes ``inputs.topk_weights`` for RANK_MAJOR; HT (forward pass) always. NVFP4 activations
+use ``DispatchQuantizationRecipe.FWD``: tokens are packed FP4 (``ncclFloat4x2`` = 12, ``[B, H/2]``) and the
+e4m3 scales ``[B, H/16]`` travel unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Algorithm, EpConfig, Format, Layout
+from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
+from .base import DispatchResult
+
+HT_MAX_TOKENS_PER_RANK = 8192       # seen on H200: HT beyond 8192 tokens/rank is not supported
+NCCL_FLOAT4X2 = 12                  # nccl_ep.h line 22: ncclFloat4x2, not a member of nccl4py's NcclDataType
+
+# dtype of the received top-k ids per (algorithm, layout), enforced by libnccl_ep.so:
+# LL rank-major "recv_topk_idx->datatype == ncclInt32", HT flat "recv_topk_idx->datatype == ncclInt64"
+RECV_TOPK_IDX_DTYPE = {(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR): torch.int32,
+                       (Algorithm.HIGH_THROUGHPUT, Layout.FLAT): torch.int64}
+HT_EM_COUNTER_DTYPE = torch.int64   # "all preprocessing int output tensors must share dtype"
+_NCCL_DTYPE = {torch.bfloat16: 9, torch.float32: 7, torch.int32: 2, torch.int64: 4, torch.uint8: 1,
+               torch.float8_e4m3fn: 10, torch.float16: 6}
+
+
+def load_nccl_ep():
+    """Import ``nccl.ep`` after checking that this machine can run it; raise MoEEpBackendUnavailable if not."""
+    from .discovery import INSTALL, nccl_ep_problem
+    why = nccl_ep_problem()
+    if why:
+        raise MoEEpBackendUnavailable(f"transport 'nccl_ep' is unavailable: {why}. Install: {INSTALL['nccl_ep']}")
+    import nccl.ep
+    import nccl.ep.interop.torch  # noqa: F401  (get_nccl_comm_from_group)
+    return nccl.ep
+
+
+def ht_recv_budget(config: EpConfig, world: int) -> int:
+    """HT's static ``max_recv_tokens_per_rank``: T*R (FLAT), T*R*K (EXPERT_MAJOR: a token per local pick)."""
+    s = config.max_tokens_per_rank * world
+    return s * config.top_k if config.layout is Layout.EXPERT_MAJOR else s
+
+
+class NcclEpTransport:
+    """Dispatch/combine over NCCL-EP for one layer config (see the module docstring for the layouts).
+
+    ``group``: the torch process group (None = default); ``ep``: the ``nccl.ep`` module (None = import it
+    after the environment checks; tests pass a stand-in); ``comm``: an existing ``nccl.core.Communicator``.
+    """
+
+    name = "nccl_ep"
+
+    def __init__(self, config: EpConfig, group=None, *, ep=None, comm=None, rank: int | None = None,
+                 world_size: int | None = None, device=None):
+        self.ep = ep if ep is not None else load_nccl_ep()
+        self.config = c = config
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.world = rank, world_size
+        self.L = c.local_experts(world_size)
+        self.ht = c.algorithm is Algorithm.HIGH_THROUGHPUT
+        self.fp4 = c.activation_format is Format.NVFP4
+        if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
+            raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
+                                   f"<= {HT_MAX_TOKENS_PER_RANK} with HIGH_THROUGHPUT on transport 'nccl_ep'")
+        if self.fp4 and c.hidden_size % 256:
+            # FWD forwards the e4m3 scale rows as they are; libnccl_ep.so: "scale bytes per token must be
+            # non-zero and 16-byte aligned" -> H/16 bytes % 16 == 0
+            raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with NVFP4 activations on "
+                                   "transport 'nccl_ep': a multiple of 256 (16-byte rows of e4m3 scales)")
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        ep = self.ep
+        self.ep_layout = {Layout.EXPERT_MAJOR: ep.Layout.EXPERT_MAJOR, Layout.RANK_MAJOR: ep.Layout.RANK_MAJOR,
+                          Layout.FLAT: ep.Layout.FLAT}[c.layout]
+        self.budget = ht_recv_budget(c, world_size) if self.ht else 0
+        self._own_comm = comm is None
+        self.comm = comm if comm is not None else ep.interop.torch.get_nccl_comm_from_group(group)
+        self.group = ep.Group.create(self.comm, ep.GroupConfig(
+            algorithm=ep.Algorithm.HIGH_THROUGHPUT if self.ht else ep.Algorithm.LOW_LATENCY,
+            num_experts=c.num_experts, max_dispatch_tokens_per_rank=c.max_tokens_per_rank,
+            max_recv_tokens_per_rank=self.budget, max_token_bytes=2 * c.hidden_size,
+            num_topk=c.top_k if self.ht else 0))
+        self.handle = None
+        self._desc_cache: dict = {}
+        self._last = None
+        self._alloc()   # (B, topk_weights) of the last dispatch
+
+    # ---- buffers, allocated once ----
+    def _alloc(self):
+        c, R, T, K, H, L, dev = self.config, self.world, self.config.max_tokens_per_rank, self.config.top_k, \
+            self.config.hidden_size, self.L, self.device
+        lead = {(False, Layout.EXPERT_MAJOR): (L, R * T), (False, Layout.RANK_MAJOR): (R, T)}.get(
+            (self.ht, c.layout), (self.budget,))
+        z = lambda *s, dt: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        b = self.bufs = {}
+        b["tokens"] = z(*lead, H // 2 if self.fp4 else H, dt=torch.uint8 if self.fp4 else torch.bfloat16)
+        if self.fp4:
+            b["scales"] = z(*lead, H // 16, dt=torch.float8_e4m3fn)
+        idx_dt = RECV_TOPK_IDX_DTYPE.get((c.algorithm, c.layout))
+        if c.layout is Layout.RANK_MAJOR or (self.ht and c.layout is Layout.FLAT):
+            b["topk_weights"] = z(*lead, K, dt=torch.float32)
+            b["topk_idx"] = z(*lead, K, dt=idx_dt)
+        if self.ht and c.layout is Layout.EXPERT_MAJOR:
+            b["topk_weights"] = z(self.budget, dt=torch.float32)
+            b["expert_counts"] = z(L, dt=HT_EM_COUNTER_DTYPE)
+            b["expert_offsets"] = z(L, dt=HT_EM_COUNTER_DTYPE)
+        if self.ht:
+            b["num_recv"] = z(1, dt=HT_EM_COUNTER_DTYPE)
+        elif c.layout is Layout.EXPERT_MAJOR:
+            b["expert_counts"] = z(L, dt=torch.int32)
+        else:
+            b["src_rank_counts"] = z(R, dt=torch.int32)
+        b["out"] = z(T, H, dt=torch.bfloat16)
+        ep = self.ep
+        if self.ht:  # handle-time layout info (HT); LL's goes to dispatch
+            self.handle_info = ep.LayoutInfo(
+                recv_total_counter=self._desc(b["num_recv"]),
+                expert_counters=self._desc(b["expert_counts"]) if "expert_offsets" in b else None,
+                expert_offsets=self._desc(b["expert_offsets"]) if "expert_offsets" in b else None,
+                recv_topk_idx_kind=ep.ExpertIdKind.LOCAL)
+            self.dispatch_info = None
+        else:
+            self.handle_info = None
+            self.dispatch_info = ep.LayoutInfo(
+                expert_counters=self._desc(b["expert_counts"]) if "expert_counts" in b else None,
+                src_rank_counters=self._desc(b["src_rank_counts"]) if "src_rank_counts" in b else None,
+                recv_topk_idx_kind=ep.ExpertIdKind.LOCAL)
+        self.dispatch_out = ep.DispatchOutputs(
+            tokens=self._desc(b["tokens"], fp4=self.fp4), topk_weights=self._opt(b.get("topk_weights")),
+            scales=self._opt(b.get("scales")), topk_idx=self._opt(b.get("topk_idx")))
+        self.dispatch_cfg = ep.DispatchConfig(
+            quantization_recipe=ep.DispatchQuantizationRecipe.FWD if self.fp4 else ep.DispatchQuantizationRecipe.NONE)
+
+    def _opt(self, t):
+        return None if t is None else self._desc(t)
+
+    def _desc(self, t: torch.Tensor, fp4: bool = False):
+        """An ``nccl.ep.Tensor`` for ``t`` (cached by address/shape/dtype: it anchors ``t``, so that is safe)."""
+        key = (t.data_ptr(), tuple(t.shape), t.dtype, fp4)
+        d = self._desc_cache.get(key)
+        if d is None:
+            d = self.ep.Tensor(t)
+            if fp4:  # packed FP4: nccl4py has no ncclFloat4x2 member, so set the C field directly
+                d._ep_t.datatype = NCCL_FLOAT4X2
+            if len(self._desc_cache) > 64:
+                self._desc_cache.clear()
+            self._desc_cache[key] = d
+        return d
+
+    # ---- the Transport interface ----
+    def dispatch(self, hidden_states, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        """Send each token to its experts' ranks; returns the layout's DispatchResult (views of owned buffers).
+
+        ``hidden_states``: bf16 ``[B, H]``, or with NVFP4 activations an ``NvFp4Tensor`` (linear scales) whose
+        global scale all ranks share. ``topk_idx`` ``[B, K]`` int32/int64 global ids (-1 = none);
+        ``topk_weights`` ``[B, K]`` float32.
+        """
+        c, ep, b = self.config, self.ep, self.bufs
+        if self.fp4:
+            check(hasattr(hidden_states, "scales") and not hidden_states.swizzled, "hidden_states",
+                  type(hidden_states).__name__, "an NvFp4Tensor with linear scales (NVFP4 activations)")
+            x, xs, gs = hidden_states.data.contiguous(), hidden_states.scales.contiguous(), hidden_states.global_scale
+        else:
+            x, xs, gs = hidden_states, None, None
+            check(x.dtype == torch.bfloat16, "hidden_states.dtype", x.dtype, "torch.bfloat16")
+        B = x.shape[0]
+        check(x.dim() == 2 and 0 < B <= c.max_tokens_per_rank, "hidden_states.shape", tuple(x.shape),
+              f"[B, H] with 1 <= B <= max_tokens_per_rank ({c.max_tokens_per_rank})")
+        check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            topk_idx = topk_idx.to(torch.int64)
+        topk_idx = topk_idx.contiguous()
+        topk_weights = topk_weights.to(torch.float32).contiguous()
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        idx_d = self._desc(topk_idx)
+        if self.handle is None:
+            self.handle = self.group.create_handle(self.ep_layout, idx_d, layout_info=self.handle_info,
+                                                   stream=stream)
+        else:
+            self.handle.update(idx_d, layout_info=self.handle_info, stream=stream)
+        need_w = self.ht or c.layout is Layout.RANK_MAJOR
+        inputs = ep.DispatchInputs(tokens=self._desc(x.contiguous(), fp4=self.fp4),
+                                   topk_weights=self._desc(topk_weights) if need_w else None,
+                                   scales=self._desc(xs) if self.fp4 else None)
+        self.handle.dispatch(inputs, self.dispatch_out, layout_info=self.dispatch_info, config=self.dispatch_cfg,
+                             stream=stream)
+        self._last = (B, topk_weights, stream)
+        tokens = b["tokens"]
+        if self.fp4:
+            from ..kernels.nvfp4 import NvFp4Tensor
+            shape = torch.Size((*tokens.shape[:-1], c.hidden_size))
+            tokens = NvFp4Tensor(tokens, b["scales"], gs, shape)
+        return DispatchResult(tokens=tokens, expert_counts=b.get("expert_counts"),
+                              expert_offsets=b.get("expert_offsets"), topk_idx=b.get("topk_idx"),
+                              topk_weights=b.get("topk_weights"), src_rank_counts=b.get("src_rank_counts"),
+                              num_recv=b["num_recv"][0] if self.ht else None)
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """Return ``[B, H]`` bf16 (a view of an owned buffer, valid until the next combine)."""
+        if self._last is None:
+            raise MoEEpInputError("combine called before dispatch; allowed: dispatch, then combine")
+        B, w, stream = self._last
+        want = tuple(self.bufs["tokens"].shape[:-1]) + (self.config.hidden_size,)
+        check(tuple(expert_out.shape) == want and expert_out.dtype == torch.bfloat16, "expert_out",
+              f"{tuple(expert_out.shape)} {expert_out.dtype}", f"{want} torch.bfloat16")
+        ep, out = self.ep, self.bufs["out"][:B]
+        ll_em = not self.ht and self.config.layout is Layout.EXPERT_MAJOR
+        self.handle.combine(ep.CombineInputs(tokens=self._desc(expert_out.contiguous())),
+                            ep.CombineOutputs(tokens=self._desc(out), topk_weights=self._desc(w) if ll_em else None),
+                            stream=stream)
+        return out
+
+    def close(self) -> None:
+        """Release the handle, then the group, then the communicator (in that order). Idempotent."""
+        if self.handle is not None:
+            self.handle.destroy()
+            self.handle = None
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        if self.comm is not None and self._own_comm:
+            self.comm.destroy()
+        self.comm = None
+        self._desc_cache.clear()

@@ -1,0 +1,124 @@
+"""NIXL-EP transport: ``nixl_ep_cu13.Buffer`` from the ``nixl-cu13`` wheel (1.5.1), low-latency mode.
+
+Supported: LOW_LATENCY + EXPERT_MAJOR with bf16 activations (``low_latency_dispatch(..., use_fp8=False)``
+returns ``[L, R*T, H]`` bf16 rows and ``[L]`` int32 counts; ``low_latency_combine`` applies the routing
+weights on the receive side), which is this layout's contract. Everything else is a MoEEpConfigError:
+- HIGH_THROUGHPUT: the library's HT path asserts ``num_ranks > NUM_MAX_NVL_PEERS (8) or low_latency_mode``
+  and ``num_ranks % NUM_MAX_NVL_PEERS == 0`` (strings in ``nixl_ep_cpp_torch21x*.so``): it needs >= 16 ranks
+  on several nodes, and it has no static receive size, so it is not offered by this transport.
+- RANK_MAJOR and NVFP4 activations: the LL kernels have neither (bf16 rows or their own FP8 recipe only).
+- ``topk_idx`` must be ``nixl_ep_cu13.topk_idx_t`` (int32 in 1.5.1: ``topk_idx.scalar_type() ==
+  c10::CppTypeToScalarType<topk_idx_t>::value``); ``R*T`` must be a multiple of 4 (buffer.py, TMA alignment).
+
+Set-up follows the library's own tests: ``Buffer(rank, explicitly_destroy=True, tcp_store_group=store)``,
+``update_memory_buffers(num_ranks, num_experts_per_rank, num_rdma_bytes=get_rdma_size_hint(T, H, R, E))``,
+``connect_ranks(all ranks)``. Metadata is exchanged through a TCP store: by default a PrefixStore over
+torch.distributed's default store.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..config import Algorithm, EpConfig, Format, Layout
+from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
+from .base import DispatchResult
+
+_instances = itertools.count()
+
+
+def load_nixl_ep():
+    """Import ``nixl_ep_cu13`` after checking that this machine can run it; raise MoEEpBackendUnavailable."""
+    from .discovery import INSTALL, nixl_ep_problem
+    why = nixl_ep_problem()
+    if why:
+        raise MoEEpBackendUnavailable(f"transport 'nixl_ep' is unavailable: {why}. Install: {INSTALL['nixl_ep']}")
+    import nixl_ep_cu13
+    return nixl_ep_cu13
+
+
+def check_nixl_config(config: EpConfig, world: int) -> None:
+    """Raise MoEEpConfigError for what NIXL-EP cannot do (see the module docstring)."""
+    if config.algorithm is Algorithm.HIGH_THROUGHPUT:
+        raise MoEEpConfigError(
+            f"EpConfig.algorithm = 'ht' at world size {world}; allowed with transport 'nixl_ep': 'll' "
+            "(nixl-ep's high-throughput kernels need >= 16 ranks, a multiple of 8, and are not offered here; "
+            "use transport 'nccl_ep' or 'torch' for HT)")
+    if config.layout is not Layout.EXPERT_MAJOR:
+        raise MoEEpConfigError(f"EpConfig.layout = {config.layout.value!r}; allowed with transport 'nixl_ep': "
+                               "'expert_major'")
+    if config.activation_format is not Format.BF16:
+        raise MoEEpConfigError(f"EpConfig.activation_format = {config.activation_format.value!r}; allowed with "
+                               "transport 'nixl_ep': 'bf16'")
+    if (world * config.max_tokens_per_rank) % 4:
+        raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {config.max_tokens_per_rank}; allowed with "
+                               f"transport 'nixl_ep': world size ({world}) * max_tokens_per_rank a multiple of 4")
+
+
+class NixlEpTransport:
+    """LL EXPERT_MAJOR dispatch/combine over NIXL-EP for one layer config.
+
+    ``group``: torch process group (None = default); ``nixl``: the ``nixl_ep_cu13`` module (None = import it
+    after the environment checks; tests pass a stand-in); ``store``: a TCPStore-like object for metadata.
+    """
+
+    name = "nixl_ep"
+
+    def __init__(self, config: EpConfig, group=None, *, nixl=None, store=None, rank: int | None = None,
+                 world_size: int | None = None, device=None):
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        check_nixl_config(config, world_size)
+        self.nixl = nixl if nixl is not None else load_nixl_ep()
+        self.config, self.rank, self.world = config, rank, world_size
+        self.L = config.local_experts(world_size)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        if store is None:
+            import torch.distributed as dist
+            from torch.distributed import distributed_c10d as c10d
+            store = dist.PrefixStore(f"moe_ep_nixl/{next(_instances)}", c10d._get_default_store())
+        T, H, E = config.max_tokens_per_rank, config.hidden_size, config.num_experts
+        B = self.nixl.Buffer
+        self.buffer = B(rank=rank, low_latency_mode=True, explicitly_destroy=True, group=group,
+                        tcp_store_group=store)
+        self.buffer.update_memory_buffers(num_ranks=world_size, num_experts_per_rank=self.L,
+                                          num_rdma_bytes=B.get_rdma_size_hint(T, H, world_size, E))
+        self.buffer.connect_ranks(list(range(world_size)))
+        self.out = torch.zeros(T, H, dtype=torch.bfloat16, device=self.device)
+        self._last = None
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchResult:
+        """``tokens [L, R*T, H]`` bf16 and ``expert_counts [L]`` int32 (rows past a count are garbage)."""
+        c = self.config
+        x = hidden_states
+        B = x.shape[0]
+        check(x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < B <= c.max_tokens_per_rank, "hidden_states",
+              f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with 1 <= B <= {c.max_tokens_per_rank}")
+        check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
+        idx = topk_idx.to(self.nixl.topk_idx_t).contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        recv_x, recv_count, handle, _event, _hook = self.buffer.low_latency_dispatch(
+            x.contiguous(), idx, c.max_tokens_per_rank, c.num_experts, use_fp8=False,
+            async_finish=False, return_recv_hook=False)
+        self._last = (B, idx, w, handle)
+        return DispatchResult(tokens=recv_x, expert_counts=recv_count)
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each token's expert rows, ``[B, H]`` bf16 (view of an owned buffer)."""
+        if self._last is None:
+            raise MoEEpInputError("combine called before dispatch; allowed: dispatch, then combine")
+        B, idx, w, handle = self._last
+        combined, _event, _hook = self.buffer.low_latency_combine(
+            expert_out.contiguous(), idx, w, handle, async_finish=False, return_recv_hook=False, out=self.out[:B])
+        return combined
+
+    def close(self) -> None:
+        """Destroy the NIXL buffer (it was created with ``explicitly_destroy=True``). Idempotent."""
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None

@@ -1,0 +1,203 @@
+"""CONTRACT tests (not integration): the NCCL-EP and NIXL-EP wrappers against recording stand-ins.
+
+The stand-ins (``fake_nccl_ep``, ``fake_nixl_ep``) have the real modules' class and field names and check
+each call against ``nccl_ep.h`` / the libraries' compiled asserts; at world size 1 they also move the data, so
+the DispatchResult each layout returns is checked end to end with a toy expert compute. What they cannot
+show -- that the real kernels behave as documented -- is what ``tests/test_transports_gpu.py`` and
+``benchmarks/bench_transports.py`` check on a GPU.
+"""
+
+import fake_nccl_ep
+import fake_nixl_ep
+import pytest
+import torch
+
+from moe_ep.config import Algorithm, EpConfig, Format, Layout
+from moe_ep.errors import MoEEpConfigError
+from moe_ep.kernels.nvfp4 import NvFp4Tensor
+from moe_ep.transports import nccl_ep as nccl_mod
+from moe_ep.transports.nccl_ep import NcclEpTransport
+from moe_ep.transports.nixl_ep import NixlEpTransport
+from moe_ep.transports.toy import toy_compute, toy_reference
+
+ContractViolation = fake_nccl_ep.ContractViolation
+LAYOUTS = [(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR),
+           (Algorithm.HIGH_THROUGHPUT, Layout.FLAT), (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR)]
+IDS = [f"{a.value}-{lay.value}" for a, lay in LAYOUTS]
+
+
+def cfg(alg, lay, T=8, H=64, E=8, K=3, act=Format.BF16):
+    return EpConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, max_tokens_per_rank=T,
+                    algorithm=alg, layout=lay, activation_format=act)
+
+
+def routing(B, E, K, seed, idx_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]).to(idx_dtype)
+    idx[torch.rand(B, K, generator=g) < 0.2] = -1
+    if B > 1:
+        idx[B - 1] = -1          # a token with no expert at all
+    w = torch.rand(B, K, generator=g)
+    x = torch.randn(B, 64, generator=g).to(torch.bfloat16) if True else None
+    return x, idx, w
+
+
+def nccl(config, world=(1, 0)):
+    ep = fake_nccl_ep.make_module()
+    t = NcclEpTransport(config, group=world, ep=ep, rank=world[1], world_size=world[0], device="cpu")
+    return t, ep
+
+
+@pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
+def test_nccl_ep_layouts_world1(alg, lay):
+    c = cfg(alg, lay)
+    t, ep = nccl(c)
+    ptrs = None
+    for step, B in enumerate((8, 5, 1)):
+        x, idx, w = routing(B, c.num_experts, c.top_k, step)
+        res = t.dispatch(x, idx, w)
+        out = t.combine(toy_compute(res, c, 0, 1))
+        torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+        now = {k: v.data_ptr() for k, v in t.bufs.items()}
+        assert ptrs is None or now == ptrs, "output buffers must be allocated once and reused"
+        ptrs = now
+    names = [c_[0] for c_ in ep.calls]
+    assert names.count("Group.create") == 1 and names.count("Group.create_handle") == 1
+    assert names.count("Handle.update") == 2, "steps after the first re-bind the handle (no re-allocation)"
+    gc = next(c_[1] for c_ in ep.calls if c_[0] == "Group.create")
+    assert gc.max_token_bytes == 2 * c.hidden_size
+    t.close()
+    assert [n for n in (c_[0] for c_ in ep.calls) if "destroy" in n] == ["Handle.destroy", "Group.destroy",
+                                                                          "comm.destroy"]
+    t.close()  # idempotent
+
+
+@pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
+def test_nccl_ep_shapes_world2(alg, lay):
+    """At R=2 the stand-in checks shapes and budgets only (no data moves)."""
+    c = cfg(alg, lay, T=16, K=2)
+    t, ep = nccl(c, world=(2, 1))
+    gc = next(c_[1] for c_ in ep.calls if c_[0] == "Group.create")
+    want = {Layout.FLAT: 16 * 2, Layout.EXPERT_MAJOR: 16 * 2 * 2}.get(lay) if alg is Algorithm.HIGH_THROUGHPUT else 0
+    assert gc.max_recv_tokens_per_rank == want
+    x, idx, w = routing(16, c.num_experts, c.top_k, 0)
+    res = t.dispatch(x, idx, w)
+    t.combine(torch.zeros(res.tokens.shape, dtype=torch.bfloat16))
+    t.close()
+
+
+def test_nccl_ep_int32_topk_idx_input_accepted():
+    c = cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR)
+    t, _ = nccl(c)
+    x, idx, w = routing(6, c.num_experts, c.top_k, 3, torch.int32)
+    out = t.combine(toy_compute(t.dispatch(x, idx, w), c, 0, 1))
+    torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+
+
+# ---- the stand-in is strict: mutate the wrapper, the stand-in must catch it ----
+
+@pytest.mark.parametrize("alg,lay,bad", [(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR, torch.int64),
+                                         (Algorithm.HIGH_THROUGHPUT, Layout.FLAT, torch.int32)])
+def test_stand_in_catches_wrong_recv_topk_idx_dtype(monkeypatch, alg, lay, bad):
+    monkeypatch.setitem(nccl_mod.RECV_TOPK_IDX_DTYPE, (alg, lay), bad)
+    c = cfg(alg, lay)
+    t, _ = nccl(c)
+    x, idx, w = routing(4, c.num_experts, c.top_k, 0)
+    with pytest.raises(ContractViolation, match="topk_idx"):
+        t.dispatch(x, idx, w)
+
+
+def test_stand_in_catches_ht_em_counter_dtype(monkeypatch):
+    monkeypatch.setattr(nccl_mod, "HT_EM_COUNTER_DTYPE", torch.int32)
+    with pytest.raises(ContractViolation, match="int64"):
+        t, _ = nccl(cfg(Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR))
+        t.dispatch(*routing(4, 8, 3, 0))
+
+
+def test_stand_in_catches_unpinned_id_kind_and_missing_weights():
+    c = cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR)
+    t, ep = nccl(c)
+    t.dispatch_info.recv_topk_idx_kind = ep.ExpertIdKind.AUTO
+    with pytest.raises(ContractViolation, match="LOCAL"):
+        t.dispatch(*routing(4, 8, 3, 0))
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
+    t, ep = nccl(c)
+    t.dispatch(*routing(4, 8, 3, 0))
+    t._last = (t._last[0], t._last[1][:, :2].contiguous(), t._last[2])   # weights of the wrong shape
+    with pytest.raises(ContractViolation, match="topk_weights"):
+        t.combine(torch.zeros(t.bufs["tokens"].shape, dtype=torch.bfloat16))
+
+
+def test_stand_in_mirrors_nccl4py_float4_gap():
+    with pytest.raises(ValueError):
+        fake_nccl_ep.Tensor(1234, dtype=12, shape=(4, 16))
+
+
+# ---- configuration errors ----
+
+def test_nccl_ep_ht_token_cap():
+    with pytest.raises(MoEEpConfigError, match="8192"):
+        nccl(cfg(Algorithm.HIGH_THROUGHPUT, Layout.FLAT, T=8193))
+    nccl(cfg(Algorithm.HIGH_THROUGHPUT, Layout.FLAT, T=8192))   # the cap itself is fine (buffers are small here)
+
+
+def test_nccl_ep_nvfp4_hidden_rule():
+    with pytest.raises(MoEEpConfigError, match="256"):
+        nccl(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=288, act=Format.NVFP4))
+
+
+@pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
+def test_nccl_ep_nvfp4_forwards_packed_rows(alg, lay):
+    H = 256
+    c = cfg(alg, lay, H=H, act=Format.NVFP4)
+    t, ep = nccl(c)
+    B = 6
+    _, idx, w = routing(B, c.num_experts, c.top_k, 1)
+    data = torch.randint(0, 256, (B, H // 2), dtype=torch.uint8)
+    scales = torch.rand(B, H // 16).to(torch.float8_e4m3fn)
+    q = NvFp4Tensor(data, scales, torch.tensor(3.0), torch.Size((B, H)))
+    res = t.dispatch(q, idx, w)
+    d = next(c_ for c_ in ep.calls if c_[0] == "Handle.dispatch")
+    assert d[1].tokens._ep_t.datatype == 12 and d[4].quantization_recipe == ep.DispatchQuantizationRecipe.FWD
+    assert isinstance(res.tokens, NvFp4Tensor) and res.tokens.shape[-1] == H
+    got = res.tokens.data.reshape(-1, H // 2)
+    sent = {bytes(r.tolist()) for r, ok in zip(data, (idx >= 0).any(1)) if ok}
+    assert sent <= {bytes(r.tolist()) for r in got}, "every routed packed row arrives unchanged"
+
+
+# ---- NIXL-EP ----
+
+def nixl(config, world=1):
+    m = fake_nixl_ep.make_module()
+    return NixlEpTransport(config, nixl=m, store=object(), rank=0, world_size=world, device="cpu"), m
+
+
+def test_nixl_ep_ll_expert_major_world1():
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
+    t, m = nixl(c)
+    for step, B in enumerate((8, 3)):
+        x, idx, w = routing(B, c.num_experts, c.top_k, step)
+        res = t.dispatch(x, idx, w)
+        assert res.tokens.shape == (c.num_experts, 8, 64) and res.expert_counts.dtype == torch.int32
+        out = t.combine(toy_compute(res, c, 0, 1))
+        torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+    assert ("connect_ranks", [0]) in m.calls and ("get_rdma_size_hint", 8, 64, 1, 8) in m.calls
+    t.close()
+    assert m.calls[-1] == ("destroy",)
+
+
+def test_stand_in_catches_wrong_nixl_topk_dtype():
+    import types
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
+    t, m = nixl(c)
+    t.nixl = types.SimpleNamespace(topk_idx_t=torch.int64, Buffer=m.Buffer)   # mutate: int64 ids
+    with pytest.raises(ContractViolation, match="topk_idx"):
+        t.dispatch(*routing(4, 8, 3, 0))
+
+
+@pytest.mark.parametrize("kw,match", [(dict(alg=Algorithm.HIGH_THROUGHPUT, lay=Layout.FLAT), "16 ranks"),
+                                      (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.RANK_MAJOR), "expert_major"),
+                                      (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.EXPERT_MAJOR, T=6), "multiple of 4")])
+def test_nixl_ep_config_errors(kw, match):
+    with pytest.raises(MoEEpConfigError, match=match):
+        nixl(cfg(**kw))
