@@ -1,4 +1,9 @@
-"""The ``moe-ep`` command."""
+"""The ``moe-ep`` command: demo, info, bench, tune, fuzz.
+
+Each subcommand's logic lives in its own module under ``moe_ep.commands``; this file only wires argparse.
+Bad arguments raise named errors (:class:`moe_ep.MoEEpInputError` / :class:`moe_ep.MoEEpConfigError`),
+reported as ``moe-ep <cmd>: error: ...`` with exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -47,8 +52,32 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tokens", type=int, default=128)
     demo.add_argument("--hidden", type=int, default=1024)
     demo.set_defaults(func=_demo)
+    _add_commands(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except moe_ep.MoEEpError as e:
+        print(f"moe-ep {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+_COMMANDS = {
+    "info": "device, versions, transports available (and why not), tuned configs found",
+    "bench": "time the kernels and the layer against their peers and floors; JSON + PNG",
+    "tune": "sweep the grouped GEMM configs per shape and token bucket; write the tuned-config JSON",
+    "fuzz": "differential fuzzing of every kernel and the layer against the references (hypothesis)",
+}
+
+
+def _add_commands(sub) -> None:
+    """The subcommands in ``moe_ep.commands``: each module has ``add_arguments`` and ``run``."""
+    import importlib
+    for name, help_text in _COMMANDS.items():
+        mod = importlib.import_module(f"moe_ep.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
 
 
 if __name__ == "__main__":
