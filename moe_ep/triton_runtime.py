@@ -139,6 +139,16 @@ def _patch_interpreter() -> None:
             return TensorHandle(out.astype(d.data.dtype), d.dtype.scalar)
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    # numpy >= 2.4 refuses int() of a 1-element 1-D array, which is how the interpreter holds scalar
+    # kernel arguments: ``range(0, K, BLOCK_K)`` over a runtime K would raise TypeError
+    orig_patch_tensor = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        orig_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_lang_tensor
+
     builder.binary_op = binary_op
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp

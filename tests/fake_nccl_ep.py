@@ -141,6 +141,20 @@ class Tensor:
         return id(self._ep_t)
 
 
+class _Snapshot:
+    """Like nccl._extensions._binding_helpers.binding_dataclass: the C struct (``_lowpp``) is filled once, at
+    construction; assigning a field afterwards does not reach the library. The stand-in reads ``_lowpp``."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_lowpp", types.SimpleNamespace(**{k: getattr(self, k)
+                                                                     for k in self.__dataclass_fields__}))
+
+
+def lib(obj):
+    """What the library sees of a bundle / config (None stays None)."""
+    return None if obj is None else obj._lowpp
+
+
 @dataclass
 class AllocConfig:
     alloc_fn: object = None
@@ -149,7 +163,7 @@ class AllocConfig:
 
 
 @dataclass
-class GroupConfig:
+class GroupConfig(_Snapshot):
     algorithm: Algorithm = Algorithm.LOW_LATENCY
     num_experts: int = 0
     max_dispatch_tokens_per_rank: int = 0
@@ -168,12 +182,12 @@ class GroupConfig:
 
 
 @dataclass
-class HandleConfig:
+class HandleConfig(_Snapshot):
     dispatch_output_per_expert_alignment: int = 0
 
 
 @dataclass
-class DispatchConfig:
+class DispatchConfig(_Snapshot):
     send_only: int = 0
     round_scales: int = 0
     pass_direction: PassDir = PassDir.FWD
@@ -181,14 +195,14 @@ class DispatchConfig:
 
 
 @dataclass
-class CombineConfig:
+class CombineConfig(_Snapshot):
     send_only: int = 0
     pass_direction: PassDir = PassDir.FWD
     quantization_recipe: CombineQuantizationRecipe = CombineQuantizationRecipe.NONE
 
 
 @dataclass
-class LayoutInfo:
+class LayoutInfo(_Snapshot):
     expert_counters: Tensor | None = None
     src_rank_counters: Tensor | None = None
     expert_offsets: Tensor | None = None
@@ -197,14 +211,14 @@ class LayoutInfo:
 
 
 @dataclass
-class DispatchInputs:
+class DispatchInputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
     scales: Tensor | None = None
 
 
 @dataclass
-class DispatchOutputs:
+class DispatchOutputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
     scales: Tensor | None = None
@@ -212,14 +226,14 @@ class DispatchOutputs:
 
 
 @dataclass
-class CombineInputs:
+class CombineInputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
     scales: Tensor | None = None
 
 
 @dataclass
-class CombineOutputs:
+class CombineOutputs(_Snapshot):
     tokens: Tensor | None = None
     topk_weights: Tensor | None = None
 
@@ -232,11 +246,11 @@ class FakeComm:
     """Stands in for nccl.core.Communicator."""
 
     def __init__(self, nranks=1, rank=0):
-        self.nranks, self.rank, self.destroyed = nranks, rank, False
+        self.nranks, self.rank, self.destroyed, self.groups = nranks, rank, False, 0
 
     def destroy(self):
         calls.append(("comm.destroy",))
-        need(live["groups"] == 0, "communicator destroyed while an EP group is alive")
+        need(self.groups == 0, "communicator destroyed while an EP group is alive")
         self.destroyed = True
 
 
@@ -252,16 +266,16 @@ def _absent(t, what):
 
 class Group:
     def __init__(self, comm, cfg):
-        self.comm, self.cfg, self.alive = comm, cfg, True
+        self.comm, self.cfg, self.alive, self.handles = comm, cfg, True, 0
         self.R, self.rank = comm.nranks, comm.rank
         self.L = cfg.num_experts // self.R
 
     @classmethod
     def create(cls, comm, config):
         calls.append(("Group.create", config))
-        c = config
+        need(isinstance(config, GroupConfig), "config must be a GroupConfig")
+        c = lib(config)
         need(isinstance(comm, FakeComm), "Group.create needs the nccl.core communicator")
-        need(isinstance(c, GroupConfig), "config must be a GroupConfig")
         need(c.algorithm in (Algorithm.LOW_LATENCY, Algorithm.HIGH_THROUGHPUT), "invalid algorithm")
         need(c.num_experts > 0 and c.num_experts % comm.nranks == 0, "num_experts must be > 0, a multiple of R")
         need(c.max_dispatch_tokens_per_rank > 0, "max_dispatch_tokens_per_rank must be > 0")
@@ -276,21 +290,24 @@ class Group:
             need(c.max_recv_tokens_per_rank == 0, "LL: max_recv_tokens_per_rank is unused, pass NCCL_EP_AUTO (0)")
         need(c.overflow_policy != OverflowPolicy.DROP, "DROP not used by moe-ep")
         live["groups"] += 1
+        comm.groups += 1
         return cls(comm, c)
 
     def create_handle(self, layout, topk_idx, *, layout_info=None, config=None, stream):
-        calls.append(("Group.create_handle", layout, layout_info))
+        calls.append(("Group.create_handle", layout, layout_info, topk_idx))
         need(self.alive, "Group destroyed")
         h = Handle(self, Layout(layout))
-        h._bind(topk_idx, layout_info)
+        h._bind(topk_idx, lib(layout_info))
         live["handles"] += 1
+        self.handles += 1
         return h
 
     def destroy(self):
         calls.append(("Group.destroy",))
-        need(live["handles"] == 0, "group destroyed before its handles")
+        need(self.handles == 0, "group destroyed before its handles")
         self.alive = False
         live["groups"] -= 1
+        self.comm.groups -= 1
 
 
 class Handle:
@@ -307,6 +324,8 @@ class Handle:
         g = self.g
         need(isinstance(topk_idx, Tensor) and topk_idx.ndim == 2, "topk_idx must be a 2-D Tensor")
         need(topk_idx.dt in (I32, I64), "topk_idx must be ncclInt32 or ncclInt64")
+        # moe-ep pins int64: Group.create_handle documents int64; NCCL's contrib ncclEpUpdateHandle asserts it
+        need(topk_idx.dt == I64, "moe-ep contract: handle topk_idx is int64")
         self.B, self.K = topk_idx.sizes
         need(self.B <= g.cfg.max_dispatch_tokens_per_rank, "Token count exceeds max_dispatch_tokens_per_rank")
         if hasattr(self, "K0"):
@@ -337,17 +356,18 @@ class Handle:
         self.info = info
 
     def update(self, topk_idx, *, layout_info=None, stream):
-        calls.append(("Handle.update", layout_info))
+        calls.append(("Handle.update", layout_info, topk_idx))
         need(self.alive, "Handle destroyed")
-        self._bind(topk_idx, layout_info)
+        self._bind(topk_idx, lib(layout_info))
 
     # ---- dispatch ----
     def dispatch(self, inputs, outputs, *, layout_info=None, config=None, stream):
         calls.append(("Handle.dispatch", inputs, outputs, layout_info, config))
         need(self.alive, "Handle destroyed")
+        inputs, outputs, layout_info, config = lib(inputs), lib(outputs), lib(layout_info), lib(config)
         g, B, K = self.g, self.B, self.K
         R, T, L = g.R, g.cfg.max_dispatch_tokens_per_rank, g.L
-        cfg = config or DispatchConfig()
+        cfg = config or lib(DispatchConfig())
         need(cfg.send_only == 0 and cfg.pass_direction == PassDir.FWD, "moe-ep uses blocking forward dispatch")
         rec = cfg.quantization_recipe
         need(rec in (DispatchQuantizationRecipe.NONE, DispatchQuantizationRecipe.FWD), f"recipe {rec!r} not used")
@@ -370,6 +390,8 @@ class Handle:
         w_in = inputs.topk_weights
         if self.ht or self.layout == Layout.RANK_MAJOR:
             _is(w_in, F32, (B, K), "inputs.topk_weights")
+        else:
+            _absent(w_in, "LL expert-major inputs.topk_weights (topk_weights_in == nullptr)")
         out = outputs
         if self.ht:
             _absent(layout_info, "HT dispatch layout_info (counters come at handle time)")
@@ -388,6 +410,7 @@ class Handle:
             if self.layout == Layout.EXPERT_MAJOR:
                 lead = (L, R * T)
                 _is(layout_info.expert_counters, I32, (L,), "LL EM expert_counters")
+                _absent(layout_info.src_rank_counters, "LL EM src_rank_counters (src_rank_counter == nullptr)")
                 _absent(out.topk_weights, "LL EM outputs.topk_weights")
                 _absent(out.topk_idx, "LL EM outputs.topk_idx")
             else:
@@ -395,6 +418,7 @@ class Handle:
                 _is(out.topk_weights, F32, (R, T, K), "LL RM outputs.topk_weights")
                 _is(out.topk_idx, I32, (R, T, K), "LL RM outputs.topk_idx (recv_topk_idx->datatype == ncclInt32)")
                 _is(layout_info.src_rank_counters, I32, (R,), "LL RM src_rank_counters")
+                _absent(layout_info.expert_counters, "LL RM expert_counters (recv_count == nullptr)")
                 need(layout_info.recv_topk_idx_kind == ExpertIdKind.LOCAL,
                      "moe-ep contract: recv_topk_idx_kind pinned to LOCAL")
         _is(out.tokens, x.dt, (*lead, x.sizes[1]), "outputs.tokens")
@@ -474,13 +498,15 @@ class Handle:
     def combine(self, inputs, outputs, *, config=None, stream):
         calls.append(("Handle.combine", inputs, outputs, config))
         need(self.alive and self.dispatched, "combine needs the handle of a dispatch")
-        cfg = config or CombineConfig()
+        inputs, outputs = lib(inputs), lib(outputs)
+        cfg = lib(config) or lib(CombineConfig())
         need(cfg.pass_direction == PassDir.FWD and cfg.send_only == 0, "moe-ep uses blocking forward combine")
         need(cfg.quantization_recipe == CombineQuantizationRecipe.NONE, "combine recipe NONE")
         _absent(inputs.topk_weights, "inputs.topk_weights (FWD combine forbids it)")
         _absent(inputs.scales, "inputs.scales (NONE)")
         _is(inputs.tokens, BF16, self.out_shape[:-1] + (inputs.tokens.sizes[-1],), "combine inputs.tokens")
         H = inputs.tokens.sizes[-1]
+        need(self.ht or H % 128 == 0, "LL combine: x->sizes[2] % 128 == 0")
         _is(outputs.tokens, BF16, (self.B, H), "combine outputs.tokens")
         if not self.ht and self.layout == Layout.EXPERT_MAJOR:
             _is(outputs.topk_weights, F32, (self.B, self.K), "expert-major combine requires topk_weights in outputs")
@@ -507,6 +533,7 @@ class Handle:
         calls.append(("Handle.destroy",))
         if self.alive:
             live["handles"] -= 1
+            self.g.handles -= 1
         self.alive = False
 
 

@@ -26,19 +26,19 @@ LAYOUTS = [(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), (Algorithm.LOW_LATENCY,
 IDS = [f"{a.value}-{lay.value}" for a, lay in LAYOUTS]
 
 
-def cfg(alg, lay, T=8, H=64, E=8, K=3, act=Format.BF16):
+def cfg(alg, lay, T=8, H=128, E=8, K=3, act=Format.BF16):
     return EpConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, max_tokens_per_rank=T,
                     algorithm=alg, layout=lay, activation_format=act)
 
 
-def routing(B, E, K, seed, idx_dtype=torch.int64):
+def routing(B, E, K, seed, idx_dtype=torch.int64, H=128):
     g = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]).to(idx_dtype)
     idx[torch.rand(B, K, generator=g) < 0.2] = -1
     if B > 1:
         idx[B - 1] = -1          # a token with no expert at all
     w = torch.rand(B, K, generator=g)
-    x = torch.randn(B, 64, generator=g).to(torch.bfloat16) if True else None
+    x = torch.randn(B, H, generator=g).to(torch.bfloat16)
     return x, idx, w
 
 
@@ -86,12 +86,16 @@ def test_nccl_ep_shapes_world2(alg, lay):
     t.close()
 
 
-def test_nccl_ep_int32_topk_idx_input_accepted():
+def test_nccl_ep_int32_ids_and_bf16_weights_are_staged():
     c = cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR)
-    t, _ = nccl(c)
-    x, idx, w = routing(6, c.num_experts, c.top_k, 3, torch.int32)
-    out = t.combine(toy_compute(t.dispatch(x, idx, w), c, 0, 1))
-    torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+    t, ep = nccl(c)
+    for step in range(2):
+        x, idx, w = routing(6, c.num_experts, c.top_k, 3 + step, torch.int32)
+        w = w.to(torch.bfloat16)
+        out = t.combine(toy_compute(t.dispatch(x, idx, w), c, 0, 1))
+        torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+    ids = {c_[-1].buffer.data_ptr() for c_ in ep.calls if c_[0] in ("Group.create_handle", "Handle.update")}
+    assert ids == {t.bufs["idx_in"].data_ptr()}, "int32 ids go through the owned int64 buffer"
 
 
 # ---- the stand-in is strict: mutate the wrapper, the stand-in must catch it ----
@@ -114,16 +118,28 @@ def test_stand_in_catches_ht_em_counter_dtype(monkeypatch):
         t.dispatch(*routing(4, 8, 3, 0))
 
 
-def test_stand_in_catches_unpinned_id_kind_and_missing_weights():
+@pytest.mark.parametrize("alg,lay", [(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR),
+                                     (Algorithm.HIGH_THROUGHPUT, Layout.FLAT)])
+def test_stand_in_catches_unpinned_id_kind(monkeypatch, alg, lay):
+    monkeypatch.setattr(nccl_mod, "RECV_TOPK_IDX_KIND", "AUTO")
+    with pytest.raises(ContractViolation, match="LOCAL"):
+        t, _ = nccl(cfg(alg, lay))
+        t.dispatch(*routing(4, 8, 3, 0))
+
+
+def test_stand_in_reads_structs_as_built():
+    """binding_dataclass fills the C struct at construction: a later assignment does not reach the library."""
     c = cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR)
     t, ep = nccl(c)
-    t.dispatch_info.recv_topk_idx_kind = ep.ExpertIdKind.AUTO
-    with pytest.raises(ContractViolation, match="LOCAL"):
-        t.dispatch(*routing(4, 8, 3, 0))
-    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
-    t, ep = nccl(c)
+    t.dispatch_info.recv_topk_idx_kind = ep.ExpertIdKind.AUTO    # no effect, as with the real bindings
     t.dispatch(*routing(4, 8, 3, 0))
-    t._last = (t._last[0], t._last[1][:, :2].contiguous(), t._last[2])   # weights of the wrong shape
+
+
+def test_stand_in_catches_missing_combine_weights():
+    t, ep = nccl(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR))
+    t.dispatch(*routing(4, 8, 3, 0))
+    cout, out, stream = t._last
+    t._last = (ep.CombineOutputs(tokens=cout.tokens), out, stream)   # mutate: leave out the weights
     with pytest.raises(ContractViolation, match="topk_weights"):
         t.combine(torch.zeros(t.bufs["tokens"].shape, dtype=torch.bfloat16))
 
@@ -143,7 +159,13 @@ def test_nccl_ep_ht_token_cap():
 
 def test_nccl_ep_nvfp4_hidden_rule():
     with pytest.raises(MoEEpConfigError, match="256"):
-        nccl(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=288, act=Format.NVFP4))
+        nccl(cfg(Algorithm.HIGH_THROUGHPUT, Layout.FLAT, H=288, act=Format.NVFP4))
+
+
+def test_nccl_ep_ll_hidden_rule():
+    with pytest.raises(MoEEpConfigError, match="128"):
+        nccl(cfg(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR, H=64))
+    nccl(cfg(Algorithm.HIGH_THROUGHPUT, Layout.FLAT, H=64))
 
 
 @pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
@@ -158,7 +180,7 @@ def test_nccl_ep_nvfp4_forwards_packed_rows(alg, lay):
     q = NvFp4Tensor(data, scales, torch.tensor(3.0), torch.Size((B, H)))
     res = t.dispatch(q, idx, w)
     d = next(c_ for c_ in ep.calls if c_[0] == "Handle.dispatch")
-    assert d[1].tokens._ep_t.datatype == 12 and d[4].quantization_recipe == ep.DispatchQuantizationRecipe.FWD
+    assert d[1]._lowpp.tokens._ep_t.datatype == 12 and d[4]._lowpp.quantization_recipe == ep.DispatchQuantizationRecipe.FWD
     assert isinstance(res.tokens, NvFp4Tensor) and res.tokens.shape[-1] == H
     got = res.tokens.data.reshape(-1, H // 2)
     sent = {bytes(r.tolist()) for r, ok in zip(data, (idx >= 0).any(1)) if ok}
@@ -173,31 +195,53 @@ def nixl(config, world=1):
 
 
 def test_nixl_ep_ll_expert_major_world1():
-    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048)
     t, m = nixl(c)
     for step, B in enumerate((8, 3)):
-        x, idx, w = routing(B, c.num_experts, c.top_k, step)
+        x, idx, w = routing(B, c.num_experts, c.top_k, step, H=2048)
         res = t.dispatch(x, idx, w)
-        assert res.tokens.shape == (c.num_experts, 8, 64) and res.expert_counts.dtype == torch.int32
+        assert res.tokens.shape == (c.num_experts, 8, 2048) and res.expert_counts.dtype == torch.int32
         out = t.combine(toy_compute(res, c, 0, 1))
         torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
-    assert ("connect_ranks", [0]) in m.calls and ("get_rdma_size_hint", 8, 64, 1, 8) in m.calls
+    assert ("connect_ranks", [0]) in m.calls and ("get_rdma_size_hint", 8, 2048, 1, 8) in m.calls
     t.close()
     assert m.calls[-1] == ("destroy",)
 
 
 def test_stand_in_catches_wrong_nixl_topk_dtype():
     import types
-    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR)
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048)
     t, m = nixl(c)
     t.nixl = types.SimpleNamespace(topk_idx_t=torch.int64, Buffer=m.Buffer)   # mutate: int64 ids
     with pytest.raises(ContractViolation, match="topk_idx"):
-        t.dispatch(*routing(4, 8, 3, 0))
+        t.dispatch(*routing(4, 8, 3, 0, H=2048))
 
 
 @pytest.mark.parametrize("kw,match", [(dict(alg=Algorithm.HIGH_THROUGHPUT, lay=Layout.FLAT), "16 ranks"),
                                       (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.RANK_MAJOR), "expert_major"),
+                                      (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.EXPERT_MAJOR, H=1024), "7168"),
+                                      (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.EXPERT_MAJOR, E=32, K=17), "16"),
                                       (dict(alg=Algorithm.LOW_LATENCY, lay=Layout.EXPERT_MAJOR, T=6), "multiple of 4")])
 def test_nixl_ep_config_errors(kw, match):
+    kw.setdefault("H", 2048)
     with pytest.raises(MoEEpConfigError, match=match):
         nixl(cfg(**kw))
+
+
+def test_nccl_ep_steady_state_builds_nothing(monkeypatch):
+    """With the same input buffers, steps after the first construct no descriptor or bundle (host time)."""
+    c = cfg(Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR)
+    t, ep = nccl(c)
+    made = []
+    for name in ("Tensor", "DispatchInputs", "CombineInputs", "CombineOutputs"):
+        real = getattr(ep, name)
+        monkeypatch.setattr(ep, name, (lambda r, n: lambda *a, **k: made.append(n) or r(*a, **k))(real, name))
+    x, idx, w = routing(8, c.num_experts, c.top_k, 0)
+    y = torch.zeros(t.bufs["tokens"].shape, dtype=torch.bfloat16)
+    t.dispatch(x, idx, w)
+    t.combine(y)
+    first = len(made)
+    for _ in range(3):
+        t.dispatch(x, idx, w)
+        t.combine(y)
+    assert first > 0 and len(made) == first

@@ -1,7 +1,8 @@
 """moe-ep's Triton kernels (each with a plain-torch reference in ``moe_ep.reference``)."""
 
+from .grouped_gemm import expert_mlp, grouped_gemm
 from .nvfp4 import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, quantize_nvfp4,
                     swizzle_scales, unswizzle_scales)
 
 __all__ = ["NvFp4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "gather_quantize_nvfp4", "nvfp4_global_scale",
-           "swizzle_scales", "unswizzle_scales"]
+           "swizzle_scales", "unswizzle_scales", "grouped_gemm", "expert_mlp"]

@@ -27,3 +27,165 @@ def nvfp4_configs() -> list[triton.Config]:
         for bm, bk, w in [(8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4), (8, 1024, 8),
                           (32, 128, 4), (64, 128, 8)]
     ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grouped GEMM: autotune space, shape classes, tuned-config files.
+# ---------------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+from functools import lru_cache  # noqa: E402
+
+import torch  # noqa: E402
+
+from ..errors import MoEEpConfigError  # noqa: E402
+
+GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
+CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
+QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape class
+DECODE_MAX_M = 32  # tokens per expert up to this are "decode": swap AB so the tokens sit in the MMA's N slot
+
+
+def m_bucket(m: int) -> int:
+    """Tokens-per-expert bucket (a power of two >= 16): the M part of the autotune key and shape class."""
+    return max(16, triton.next_power_of_2(max(int(m), 1)))
+
+
+def _gemm(bm, bn, bk, swap, stages, warps, group_m=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWAP_AB": swap, "GROUP_M": group_m},
+                         num_warps=warps, num_stages=stages)
+
+
+def grouped_gemm_configs() -> list[triton.Config]:
+    """The whole search space; :func:`prune_grouped_gemm_configs` keeps the part fit for a shape class.
+
+    Decode (few tokens per expert) is bound by reading weights: BLOCK_M 16/32 with swapped operands, many
+    N tiles so every SM streams weights, deep pipelines. Prefill is bound by the tensor cores: large tiles.
+    """
+    if INTERPRETER:  # one decode-style (swapped) and one prefill-style config, blocks as large as tests allow
+        return [_gemm(16, 64, 64, True, 1, 4), _gemm(32, 64, 64, False, 1, 4)]
+    space = []
+    for bm in (16, 32):  # decode, swap AB
+        for bn, bk in ((64, 128), (64, 256), (128, 128), (128, 256)):
+            for stages in (3, 4, 5):
+                if bn * bk <= 128 * 128 or stages <= 4:
+                    space.append(_gemm(bm, bn, bk, True, stages, 4))
+    for bm, bn, bk, stages, warps in ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 3, 4),
+                                      (128, 64, 64, 4, 4), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4),
+                                      (128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (64, 256, 64, 4, 8)):
+        space.append(_gemm(bm, bn, bk, False, stages, warps))
+    return space
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (1 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def prune_grouped_gemm_configs(configs, named_args, **kwargs):
+    """Keep configs that suit the shape class: swapped small-M tiles for decode, large tiles otherwise;
+    tiles no wider than the problem; enough programs to fill the SMs when that is possible."""
+    m = int(named_args["M_BUCKET"])
+    n, k = int(named_args["N"]), int(named_args["K"])
+    groups = int(named_args["G"])
+    decode = m <= DECODE_MAX_M
+    swiglu = bool(kwargs.get("SWIGLU", named_args.get("SWIGLU", False)))
+    keep = []
+    for c in configs:
+        kw = c.kwargs
+        if kw["SWAP_AB"] != decode:
+            continue
+        if decode and kw["BLOCK_M"] > max(m, 16):
+            continue
+        if not decode and kw["BLOCK_M"] > max(m, 64):
+            continue
+        if swiglu and not decode and kw["BLOCK_M"] * kw["BLOCK_N"] > 128 * 128 and not INTERPRETER:
+            continue  # gate and up accumulators: twice the registers
+        too_wide = kw["BLOCK_N"] > max(triton.next_power_of_2(n), 16) or kw["BLOCK_K"] > max(
+            triton.next_power_of_2(k), 32)
+        if too_wide and not INTERPRETER:
+            continue
+        keep.append(c)
+    if os.environ.get(QUICK_ENV) and len(keep) > 3:  # bounded search (benchmarks' --quick)
+        keep = keep[:2] + keep[-1:]
+    if not INTERPRETER and len(keep) > 1:
+        full = [c for c in keep if groups * triton.cdiv(m, c.kwargs["BLOCK_M"]) * triton.cdiv(n, c.kwargs["BLOCK_N"])
+                >= sm_count()]
+        keep = full or keep
+    return keep or configs[:1]
+
+
+def shape_class(n: int, k: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> str:
+    """The tuned-config file key of a GEMM shape (tokens-per-expert bucket is the inner key)."""
+    return f"n{n}_k{k}_x{'nvfp4' if x_fp4 else 'bf16'}_w{'nvfp4' if w_fp4 else 'bf16'}{'_swiglu' if swiglu else ''}"
+
+
+def device_name() -> str:
+    """File-name form of the current device's name, e.g. ``NVIDIA_H200`` (``cpu`` without CUDA)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip())
+
+
+def config_dirs() -> list[str]:
+    """Folders searched for tuned configs: ``$MOE_EP_CONFIG_DIR`` first, then the shipped ``configs/``."""
+    dirs = []
+    if os.environ.get(CONFIG_DIR_ENV):
+        dirs.append(os.environ[CONFIG_DIR_ENV])
+    dirs.append(os.path.join(os.path.dirname(__file__), "configs"))
+    return dirs
+
+
+@lru_cache(maxsize=None)
+def _load_file(path: str, mtime: float) -> dict:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MoEEpConfigError(f"tuned-config file {path}: {e}; allowed: a JSON object") from e
+    if not isinstance(table, dict):
+        raise MoEEpConfigError(f"tuned-config file {path} = {type(table).__name__}; allowed: a JSON object")
+    return table
+
+
+def _validate(cfg, where: str) -> dict:
+    need = set(GEMM_PARAMS) | {"num_warps", "num_stages"}
+    if not isinstance(cfg, dict) or not need <= set(cfg):
+        raise MoEEpConfigError(f"{where} = {cfg!r}; allowed: an object with keys {sorted(need)}")
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = cfg[key]
+        if not (isinstance(v, int) and v >= 16 and v & (v - 1) == 0):
+            raise MoEEpConfigError(f"{where}.{key} = {v!r}; allowed: a power of two >= 16")
+    if cfg["BLOCK_K"] < 32:
+        raise MoEEpConfigError(f"{where}.BLOCK_K = {cfg['BLOCK_K']}; allowed: >= 32")
+    return {**{k: cfg[k] for k in GEMM_PARAMS}, "SWAP_AB": bool(cfg["SWAP_AB"]),
+            "num_warps": int(cfg["num_warps"]), "num_stages": int(cfg["num_stages"])}
+
+
+def tuned_gemm_config(n: int, k: int, m: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> dict | None:
+    """The tuned config for this shape from ``<dir>/<device_name>.json``, or None (then autotune).
+
+    File format (vLLM style): ``{shape_class: {"<tokens-per-expert bucket>": {BLOCK_M, BLOCK_N, BLOCK_K,
+    SWAP_AB, GROUP_M, num_warps, num_stages}}}``; the nearest bucket present is used.
+    """
+    key = shape_class(n, k, x_fp4, w_fp4, swiglu)
+    for d in config_dirs():
+        path = os.path.join(d, device_name() + ".json")
+        if not os.path.isfile(path):
+            continue
+        by_m = _load_file(path, os.path.getmtime(path)).get(key)
+        if not by_m:
+            continue
+        if not isinstance(by_m, dict):
+            raise MoEEpConfigError(f"{path}[{key!r}] = {by_m!r}; allowed: {{bucket: config}}")
+        try:
+            buckets = {int(b): c for b, c in by_m.items()}
+        except ValueError as e:
+            raise MoEEpConfigError(f"{path}[{key!r}] keys = {list(by_m)}; allowed: integers") from e
+        want = m_bucket(m)
+        best = min(buckets, key=lambda b: (abs(b - want), b))
+        return _validate(buckets[best], f"{path}[{key!r}][{best}]")
+    return None

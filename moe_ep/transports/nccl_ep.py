@@ -36,6 +36,7 @@ NCCL_FLOAT4X2 = 12                  # nccl_ep.h line 22: ncclFloat4x2, not a mem
 RECV_TOPK_IDX_DTYPE = {(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR): torch.int32,
                        (Algorithm.HIGH_THROUGHPUT, Layout.FLAT): torch.int64}
 HT_EM_COUNTER_DTYPE = torch.int64   # "all preprocessing int output tensors must share dtype"
+RECV_TOPK_IDX_KIND = "LOCAL"        # ExpertIdKind member: pinned (AUTO "may change in a future release")
 _NCCL_DTYPE = {torch.bfloat16: 9, torch.float32: 7, torch.int32: 2, torch.int64: 4, torch.uint8: 1,
                torch.float8_e4m3fn: 10, torch.float16: 6}
 
@@ -68,7 +69,6 @@ class NcclEpTransport:
 
     def __init__(self, config: EpConfig, group=None, *, ep=None, comm=None, rank: int | None = None,
                  world_size: int | None = None, device=None):
-        self.ep = ep if ep is not None else load_nccl_ep()
         self.config = c = config
         if rank is None or world_size is None:
             import torch.distributed as dist
@@ -80,18 +80,23 @@ class NcclEpTransport:
         if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
             raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
                                    f"<= {HT_MAX_TOKENS_PER_RANK} with HIGH_THROUGHPUT on transport 'nccl_ep'")
+        if not self.ht and c.hidden_size % 128:
+            # libnccl_ep.so, LL combine: "x->sizes[2] % 128 == 0"
+            raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with LOW_LATENCY on transport "
+                                   "'nccl_ep': a multiple of 128")
         if self.fp4 and c.hidden_size % 256:
             # FWD forwards the e4m3 scale rows as they are; libnccl_ep.so: "scale bytes per token must be
             # non-zero and 16-byte aligned" -> H/16 bytes % 16 == 0
             raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with NVFP4 activations on "
                                    "transport 'nccl_ep': a multiple of 256 (16-byte rows of e4m3 scales)")
+        self.ep = ep = ep if ep is not None else load_nccl_ep()   # after the config checks: they need no library
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        ep = self.ep
         self.ep_layout = {Layout.EXPERT_MAJOR: ep.Layout.EXPERT_MAJOR, Layout.RANK_MAJOR: ep.Layout.RANK_MAJOR,
                           Layout.FLAT: ep.Layout.FLAT}[c.layout]
         self.budget = ht_recv_budget(c, world_size) if self.ht else 0
-        self._own_comm = comm is None
+        self.handle, self.group, self._own_comm = None, None, comm is None
+        self._desc_cache, self._plans = {}, {}
         self.comm = comm if comm is not None else ep.interop.torch.get_nccl_comm_from_group(group)
         self.group = ep.Group.create(self.comm, ep.GroupConfig(
             algorithm=ep.Algorithm.HIGH_THROUGHPUT if self.ht else ep.Algorithm.LOW_LATENCY,
@@ -100,8 +105,14 @@ class NcclEpTransport:
             num_topk=c.top_k if self.ht else 0))
         self.handle = None
         self._desc_cache: dict = {}
-        self._last = None
-        self._alloc()   # (B, topk_weights) of the last dispatch
+        self._plans: dict = {}
+        self._cuda = self.device.type == "cuda"
+        self._last = None   # (combine outputs bundle, output view, stream) of the last dispatch
+        try:
+            self._alloc()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- buffers, allocated once ----
     def _alloc(self):
@@ -129,20 +140,22 @@ class NcclEpTransport:
         else:
             b["src_rank_counts"] = z(R, dt=torch.int32)
         b["out"] = z(T, H, dt=torch.bfloat16)
+        b["idx_in"] = z(T, K, dt=torch.int64)      # only used when the caller's ids are not int64
+        b["w_in"] = z(T, K, dt=torch.float32)      # ... or its weights not float32
         ep = self.ep
         if self.ht:  # handle-time layout info (HT); LL's goes to dispatch
             self.handle_info = ep.LayoutInfo(
                 recv_total_counter=self._desc(b["num_recv"]),
                 expert_counters=self._desc(b["expert_counts"]) if "expert_offsets" in b else None,
                 expert_offsets=self._desc(b["expert_offsets"]) if "expert_offsets" in b else None,
-                recv_topk_idx_kind=ep.ExpertIdKind.LOCAL)
+                recv_topk_idx_kind=ep.ExpertIdKind[RECV_TOPK_IDX_KIND])
             self.dispatch_info = None
         else:
             self.handle_info = None
             self.dispatch_info = ep.LayoutInfo(
                 expert_counters=self._desc(b["expert_counts"]) if "expert_counts" in b else None,
                 src_rank_counters=self._desc(b["src_rank_counts"]) if "src_rank_counts" in b else None,
-                recv_topk_idx_kind=ep.ExpertIdKind.LOCAL)
+                recv_topk_idx_kind=ep.ExpertIdKind[RECV_TOPK_IDX_KIND])
         self.dispatch_out = ep.DispatchOutputs(
             tokens=self._desc(b["tokens"], fp4=self.fp4), topk_weights=self._opt(b.get("topk_weights")),
             scales=self._opt(b.get("scales")), topk_idx=self._opt(b.get("topk_idx")))
@@ -165,67 +178,102 @@ class NcclEpTransport:
             self._desc_cache[key] = d
         return d
 
+    def _bundle(self, cls: str, **fields):
+        """``ep.<cls>(**fields)``, cached by the identity of the (cached) descriptors it holds."""
+        key = (cls, *((k, id(v)) for k, v in fields.items()))
+        b = self._desc_cache.get(key)
+        if b is None:
+            b = self._desc_cache[key] = getattr(self.ep, cls)(**fields)
+        return b
+
     # ---- the Transport interface ----
     def dispatch(self, hidden_states, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         """Send each token to its experts' ranks; returns the layout's DispatchResult (views of owned buffers).
 
         ``hidden_states``: bf16 ``[B, H]``, or with NVFP4 activations an ``NvFp4Tensor`` (linear scales) whose
-        global scale all ranks share. ``topk_idx`` ``[B, K]`` int32/int64 global ids (-1 = none);
-        ``topk_weights`` ``[B, K]`` float32.
+        global scale all ranks share. ``topk_idx`` ``[B, K]`` global ids (-1 = none), int64 (other dtypes are
+        copied into an owned int64 buffer first: ``Group.create_handle`` documents int64); ``topk_weights``
+        ``[B, K]`` float32 (likewise). The descriptors of a step are cached by the inputs' addresses, so
+        a caller that reuses its input buffers (CUDA graphs, static serving buffers) pays no set-up per step.
         """
-        c, ep, b = self.config, self.ep, self.bufs
         if self.fp4:
-            check(hasattr(hidden_states, "scales") and not hidden_states.swizzled, "hidden_states",
-                  type(hidden_states).__name__, "an NvFp4Tensor with linear scales (NVFP4 activations)")
-            x, xs, gs = hidden_states.data.contiguous(), hidden_states.scales.contiguous(), hidden_states.global_scale
+            check(hasattr(hidden_states, "scales") and not getattr(hidden_states, "swizzled", True),
+                  "hidden_states", type(hidden_states).__name__, "an NvFp4Tensor with linear scales")
+            x, xs = hidden_states.data.contiguous(), hidden_states.scales.contiguous()
         else:
-            x, xs, gs = hidden_states, None, None
-            check(x.dtype == torch.bfloat16, "hidden_states.dtype", x.dtype, "torch.bfloat16")
-        B = x.shape[0]
-        check(x.dim() == 2 and 0 < B <= c.max_tokens_per_rank, "hidden_states.shape", tuple(x.shape),
-              f"[B, H] with 1 <= B <= max_tokens_per_rank ({c.max_tokens_per_rank})")
-        check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
-        if topk_idx.dtype not in (torch.int32, torch.int64):
-            topk_idx = topk_idx.to(torch.int64)
-        topk_idx = topk_idx.contiguous()
-        topk_weights = topk_weights.to(torch.float32).contiguous()
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
-        idx_d = self._desc(topk_idx)
+            x, xs = hidden_states, None
+        if topk_idx.dtype is not torch.int64:   # staged into an owned buffer: same address every step
+            topk_idx = self.bufs["idx_in"][:topk_idx.shape[0]].copy_(topk_idx)
+        if topk_weights.dtype is not torch.float32:
+            topk_weights = self.bufs["w_in"][:topk_weights.shape[0]].copy_(topk_weights)
+        x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        key = (x.data_ptr(), x.shape, x.dtype, topk_idx.data_ptr(), topk_idx.shape, topk_idx.dtype,
+               topk_weights.data_ptr(), topk_weights.shape, None if xs is None else xs.data_ptr())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(x, xs, topk_idx, topk_weights, hidden_states)
+            if len(self._plans) > 16:
+                self._plans.clear()
+            self._plans[key] = plan
+        idx_d, inputs, cout, out, result = plan
+        stream = torch.cuda.current_stream().cuda_stream if self._cuda else 0
         if self.handle is None:
             self.handle = self.group.create_handle(self.ep_layout, idx_d, layout_info=self.handle_info,
                                                    stream=stream)
         else:
             self.handle.update(idx_d, layout_info=self.handle_info, stream=stream)
-        need_w = self.ht or c.layout is Layout.RANK_MAJOR
-        inputs = ep.DispatchInputs(tokens=self._desc(x.contiguous(), fp4=self.fp4),
-                                   topk_weights=self._desc(topk_weights) if need_w else None,
-                                   scales=self._desc(xs) if self.fp4 else None)
         self.handle.dispatch(inputs, self.dispatch_out, layout_info=self.dispatch_info, config=self.dispatch_cfg,
                              stream=stream)
-        self._last = (B, topk_weights, stream)
+        self._last = (cout, out, stream)
+        if self.fp4:
+            result.tokens.global_scale = hidden_states.global_scale
+        return result
+
+    def _plan(self, x, xs, topk_idx, topk_weights, hidden_states):
+        """Validate a new input signature and build its descriptors, bundles and result (once)."""
+        c, b = self.config, self.bufs
+        if not self.fp4:
+            check(x.dtype == torch.bfloat16, "hidden_states.dtype", x.dtype, "torch.bfloat16")
+        B = x.shape[0]
+        H = c.hidden_size // 2 if self.fp4 else c.hidden_size
+        check(x.dim() == 2 and 0 < B <= c.max_tokens_per_rank and x.shape[1] == H, "hidden_states.shape",
+              tuple(x.shape), f"[B, {H}] with 1 <= B <= max_tokens_per_rank ({c.max_tokens_per_rank})")
+        check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
+        check(tuple(topk_weights.shape) == (B, c.top_k), "topk_weights.shape", tuple(topk_weights.shape),
+              f"({B}, {c.top_k})")
+        need_w = self.ht or c.layout is Layout.RANK_MAJOR
+        ll_em = not self.ht and c.layout is Layout.EXPERT_MAJOR
+        inputs = self._bundle("DispatchInputs", tokens=self._desc(x, fp4=self.fp4),
+                              topk_weights=self._desc(topk_weights) if need_w else None,
+                              scales=self._desc(xs) if self.fp4 else None)
+        out = b["out"][:B]
+        cout = self._bundle("CombineOutputs", tokens=self._desc(out),
+                            topk_weights=self._desc(topk_weights) if ll_em else None)
         tokens = b["tokens"]
         if self.fp4:
             from ..kernels.nvfp4 import NvFp4Tensor
-            shape = torch.Size((*tokens.shape[:-1], c.hidden_size))
-            tokens = NvFp4Tensor(tokens, b["scales"], gs, shape)
-        return DispatchResult(tokens=tokens, expert_counts=b.get("expert_counts"),
-                              expert_offsets=b.get("expert_offsets"), topk_idx=b.get("topk_idx"),
-                              topk_weights=b.get("topk_weights"), src_rank_counts=b.get("src_rank_counts"),
-                              num_recv=b["num_recv"][0] if self.ht else None)
+            tokens = NvFp4Tensor(tokens, b["scales"], hidden_states.global_scale,
+                                 torch.Size((*tokens.shape[:-1], c.hidden_size)))
+        result = DispatchResult(tokens=tokens, expert_counts=b.get("expert_counts"),
+                                expert_offsets=b.get("expert_offsets"), topk_idx=b.get("topk_idx"),
+                                topk_weights=b.get("topk_weights"), src_rank_counts=b.get("src_rank_counts"),
+                                num_recv=b["num_recv"][0] if self.ht else None)
+        return self._desc(topk_idx), inputs, cout, out, result
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Return ``[B, H]`` bf16 (a view of an owned buffer, valid until the next combine)."""
         if self._last is None:
             raise MoEEpInputError("combine called before dispatch; allowed: dispatch, then combine")
-        B, w, stream = self._last
-        want = tuple(self.bufs["tokens"].shape[:-1]) + (self.config.hidden_size,)
-        check(tuple(expert_out.shape) == want and expert_out.dtype == torch.bfloat16, "expert_out",
-              f"{tuple(expert_out.shape)} {expert_out.dtype}", f"{want} torch.bfloat16")
-        ep, out = self.ep, self.bufs["out"][:B]
-        ll_em = not self.ht and self.config.layout is Layout.EXPERT_MAJOR
-        self.handle.combine(ep.CombineInputs(tokens=self._desc(expert_out.contiguous())),
-                            ep.CombineOutputs(tokens=self._desc(out), topk_weights=self._desc(w) if ll_em else None),
-                            stream=stream)
+        cout, out, stream = self._last
+        cin = self._plans.get((expert_out.data_ptr(), expert_out.shape, expert_out.dtype))
+        if cin is None:
+            want = self.bufs["tokens"].shape[:-1] + (self.config.hidden_size,)
+            check(expert_out.shape == want and expert_out.dtype == torch.bfloat16, "expert_out",
+                  f"{tuple(expert_out.shape)} {expert_out.dtype}", f"{tuple(want)} torch.bfloat16")
+            expert_out = expert_out.contiguous()
+            cin = self._bundle("CombineInputs", tokens=self._desc(expert_out))
+            self._plans[(expert_out.data_ptr(), expert_out.shape, expert_out.dtype)] = cin
+        self.handle.combine(cin, cout, stream=stream)
         return out
 
     def close(self) -> None:
@@ -240,3 +288,4 @@ class NcclEpTransport:
             self.comm.destroy()
         self.comm = None
         self._desc_cache.clear()
+        self._plans.clear()

@@ -27,6 +27,10 @@ from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError,
 from .base import DispatchResult
 
 _instances = itertools.count()
+# the LL kernels are compiled for these hidden sizes only (SWITCH_HIDDEN in csrc/kernels/launch.cuh of
+# ai-dynamo/nixl examples/device/ep; others hit "Unsupported hidden") and at most 16 picks (kNumMaxTopK)
+LL_HIDDEN_SIZES = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
+LL_MAX_TOP_K = 16
 
 
 def load_nixl_ep():
@@ -52,6 +56,12 @@ def check_nixl_config(config: EpConfig, world: int) -> None:
     if config.activation_format is not Format.BF16:
         raise MoEEpConfigError(f"EpConfig.activation_format = {config.activation_format.value!r}; allowed with "
                                "transport 'nixl_ep': 'bf16'")
+    if config.hidden_size not in LL_HIDDEN_SIZES:
+        raise MoEEpConfigError(f"EpConfig.hidden_size = {config.hidden_size}; allowed with transport 'nixl_ep': "
+                               + ", ".join(map(str, LL_HIDDEN_SIZES)))
+    if config.top_k > LL_MAX_TOP_K:
+        raise MoEEpConfigError(f"EpConfig.top_k = {config.top_k}; allowed with transport 'nixl_ep': "
+                               f"<= {LL_MAX_TOP_K}")
     if (world * config.max_tokens_per_rank) % 4:
         raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {config.max_tokens_per_rank}; allowed with "
                                f"transport 'nixl_ep': world size ({world}) * max_tokens_per_rank a multiple of 4")

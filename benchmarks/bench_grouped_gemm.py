@@ -1,0 +1,174 @@
+"""Time moe-ep's expert MLP (two grouped GEMMs, SwiGLU fused) against torch._grouped_mm on one GPU.
+
+Each row: a model's local experts at a number of tokens per expert, ragged layout (expert-sorted rows +
+offsets; the masked layout is timed too for decode rows). Columns: our time with bf16 weights (and NVFP4
+weights for decode rows), torch._grouped_mm (bf16, two GEMMs + silu*mul) in the same process, the byte floor
+(weight bytes / 4.8 TB/s), the FLOP floor (/ 795 TFLOP/s), and the relative error against the torch peer.
+Autotunes first (printing the winning configs); ``--write-configs DIR`` saves the winners as a tuned-config
+file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
+
+    python benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--write-configs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--quick" in sys.argv:
+    os.environ.setdefault("MOE_EP_AUTOTUNE_QUICK", "1")
+
+import torch  # noqa: E402
+
+import moe_ep  # noqa: E402,F401  (before triton)
+import triton  # noqa: E402
+from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
+from moe_ep.kernels import dequantize_nvfp4, tuning  # noqa: E402
+
+gg = sys.modules["moe_ep.kernels.grouped_gemm"]
+
+BW = 4.8e12
+FLOPS = 795e12
+MODELS = {  # name: (local experts, hidden H, intermediate I, tokens-per-expert rows, NVFP4 for these rows)
+    "DeepSeek-V3 EP8": (32, 7168, 2048, (16, 128, 1024), (16, 128)),
+    "Qwen3-30B-A3B": (128, 2048, 768, (8, 64, 512), (8, 64)),
+    "Mixtral-8x7B": (8, 4096, 14336, (64, 512), (64,)),
+}
+QUICK = {"DeepSeek-V3 EP8": (16, 1024), "Qwen3-30B-A3B": (8,), "Mixtral-8x7B": (512,)}
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+
+
+def torch_mlp(x, w13t, w2t, offs_end, inter):
+    h = torch._grouped_mm(x, w13t, offs=offs_end)
+    a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    return torch._grouped_mm(a, w2t, offs=offs_end)
+
+
+def warm(x, w13, w2, idx, m, table):
+    """Autotune both GEMMs (first call) and return the configs that won."""
+    won = []
+    h = grouped_gemm(x, w13, swiglu=True, m_hint=m, **idx)
+    won.append(dict(gg.last_launch))
+    grouped_gemm(h, w2, m_hint=m, **idx)
+    won.append(dict(gg.last_launch))
+    n1, k1 = w13.shape[1] // 2, w13.shape[2]
+    n2, k2 = w2.shape[1], w2.shape[2]
+    fp4 = not isinstance(w13, torch.Tensor)
+    for (n, k, sw), c in zip(((n1, k1, True), (n2, k2, False)), won):
+        if c.get("config"):
+            cfg = {k_: c["config"][k_] for k_ in (*tuning.GEMM_PARAMS, "num_warps", "num_stages")}
+            table.setdefault(tuning.shape_class(n, k, False, fp4, sw), {})[str(tuning.m_bucket(m))] = cfg
+    return won
+
+
+def short(c):
+    if not c or not c.get("config"):
+        return "-"
+    k = c["config"]
+    return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}"
+            f"/w{k['num_warps']}s{k['num_stages']}")
+
+
+def run_row(name, E, H, I, tpe, fp4, table):
+    dev = torch.device("cuda")
+    S = E * tpe
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(S, H, device=dev, generator=gen) * 0.5).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, device=dev, generator=gen) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device=dev, generator=gen) * I ** -0.5).bfloat16()
+    offs = torch.arange(0, S + 1, tpe, device=dev, dtype=torch.int32)
+    counts = torch.full((E,), tpe, device=dev, dtype=torch.int32)
+    row = {"model": name, "experts": E, "H": H, "I": I, "tokens_per_expert": tpe}
+    elems = E * 3 * H * I
+    row["byte_floor_us"] = elems * 2 / BW * 1e6
+    row["flop_floor_us"] = 2 * S * 3 * H * I / FLOPS * 1e6
+
+    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
+    try:
+        peer = torch_mlp(x, w13t, w2t, offs[1:], I)
+        row["torch_grouped_mm_us"] = bench(lambda: torch_mlp(x, w13t, w2t, offs[1:], I))
+    except Exception as e:  # noqa: BLE001  (a peer that cannot run is reported, not fatal)
+        peer, row["torch_grouped_mm_us"], row["torch_error"] = None, float("nan"), repr(e)[:200]
+
+    t0 = time.time()
+    row["configs_bf16"] = [short(c) for c in warm(x, w13, w2, dict(offsets=offs), tpe, table)]
+    row["autotune_s"] = time.time() - t0
+    ours = expert_mlp(x, w13, w2, offsets=offs)
+    row["ours_bf16_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
+    row["rel_err_bf16"] = rel_err(ours, peer) if peer is not None else float("nan")
+    if tpe <= tuning.DECODE_MAX_M * 4:
+        xm = x.view(E, tpe, H)
+        warm(xm, w13, w2, dict(counts=counts), tpe, table)
+        row["ours_bf16_masked_us"] = bench(lambda: expert_mlp(xm, w13, w2, counts=counts))
+    if fp4:
+        q13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
+        q2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
+        row["byte_floor_nvfp4_us"] = elems * (0.5 + 1 / 16) / BW * 1e6
+        row["configs_nvfp4"] = [short(c) for c in warm(x, q13, q2, dict(offsets=offs), tpe, table)]
+        ours4 = expert_mlp(x, q13, q2, offsets=offs)
+        row["ours_nvfp4_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=offs))
+        d13, d2 = dequantize_nvfp4(q13), dequantize_nvfp4(q2)
+        try:
+            row["rel_err_nvfp4"] = rel_err(ours4, torch_mlp(x, d13.transpose(1, 2), d2.transpose(1, 2), offs[1:], I))
+        except Exception:  # noqa: BLE001
+            row["rel_err_nvfp4"] = float("nan")
+        del q13, q2, d13, d2
+    del x, w13, w2
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_grouped_gemm.json", help="full results as JSON")
+    ap.add_argument("--quick", action="store_true", help="a few rows, bounded autotune")
+    ap.add_argument("--write-configs", default=None, help="folder to write <device>.json tuned configs into")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    dev_name = torch.cuda.get_device_name()
+    print(f"device {dev_name}, {tuning.sm_count()} SMs, triton {triton.__version__}, torch {torch.__version__}",
+          flush=True)
+    rows, table = [], {}
+    for name, (E, H, I, tpes, fp4_rows) in MODELS.items():
+        for tpe in tpes:
+            if args.quick and tpe not in QUICK[name]:
+                continue
+            r = run_row(name, E, H, I, tpe, tpe in fp4_rows, table)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": dev_name, "rows": rows}, f, indent=1)
+    if args.write_configs:
+        os.makedirs(args.write_configs, exist_ok=True)
+        path = os.path.join(args.write_configs, tuning.device_name() + ".json")
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        print("tuned configs ->", path)
+
+    def f(v):
+        return "-" if v is None or v != v else f"{v:8.1f}"
+
+    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'masked':>8} {'torch':>8} {'byteflr':>8} {'flopflr':>8} "
+          f"{'ours fp4':>8} {'fp4flr':>8} {'err bf16':>8} {'err fp4':>8}  configs (gemm1, gemm2; bf16 | fp4)")
+    for r in rows:
+        print(f"{r['model'][:16]:16} {r['tokens_per_expert']:5d} {f(r['ours_bf16_us']):>9} "
+              f"{f(r.get('ours_bf16_masked_us')):>8} {f(r['torch_grouped_mm_us']):>8} {f(r['byte_floor_us']):>8} "
+              f"{f(r['flop_floor_us']):>8} {f(r.get('ours_nvfp4_us')):>8} {f(r.get('byte_floor_nvfp4_us')):>8} "
+              f"{r['rel_err_bf16']:8.1e} {r.get('rel_err_nvfp4', float('nan')):8.1e}  "
+              f"{','.join(r['configs_bf16'])} | {','.join(r.get('configs_nvfp4', []))}")
+    print("times in us (median of triton.testing.do_bench); floors: weight bytes / 4.8 TB/s, FLOPs / 795 TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""Grouped GEMM over experts, ``y_g = x_g @ w_g^T``: masked or ragged rows, bf16 or NVFP4 operands.
+
+One kernel covers every variant (constexpr flags). A program computes one ``BLOCK_M x BLOCK_N`` output
+tile of one expert. Its expert and row tile come from the device-side counts (masked) or offsets (ragged)
+alone: each program loads the per-expert counts, takes ``cumsum(cdiv(count, BLOCK_M))`` and finds its
+expert by counting how many prefix sums lie at or below its tile index. So there is no host sync and no
+schedule tensor; the grid is a fixed upper bound and surplus programs exit at once. Empty experts own no
+tiles, and in the masked layout no program reads, computes or writes a row past ``counts[g]``.
+
+NVFP4 operands are decoded in registers to bf16 (an E2M1 value times an E4M3 scale is exact in bf16) and
+fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulator. The decode never
+interleaves the two nibbles of a byte: since the dot sums over K in any order, the low nibbles (even k)
+and the high nibbles (odd k) make two half-width dots, with the other operand loaded at even / odd k.
+E2M1 -> value: the 3 magnitude bits shifted into an fp16's exponent/mantissa give ``e2m1 * 2^-14``
+exactly (E2M1's subnormal lands on fp16's), so decode is a shift, an or and a cast; 2^14 is folded into
+the block scale. (``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes Triton 3.6's
+compiler on Hopper; the register path is what runs on Blackwell too.)
+
+Decode shapes swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
+BLOCK_N weight rows fill its M slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import MoEEpInputError, check
+from ..triton_runtime import device as kernel_device
+from . import tuning
+from .nvfp4 import NvFp4Tensor, e4m3_values_of_bytes
+
+
+@triton.jit
+def _fp4_halves(packed, scale_bytes, R: tl.constexpr, HALF_K: tl.constexpr):
+    """Packed E2M1 bytes [R, HALF_K] and their E4M3 scale bytes [R, HALF_K / 8] -> (even-k, odd-k) bf16."""
+    p = packed.to(tl.int32)
+    s_val, _ = e4m3_values_of_bytes(scale_bytes.to(tl.int32))
+    s = s_val * 16384.0  # the fp16 trick below yields e2m1 * 2^-14
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, HALF_K // 8, 8]), [R, HALF_K])
+    lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    return (lo.to(tl.float32) * s).to(tl.bfloat16), (hi.to(tl.float32) * s).to(tl.bfloat16)
+
+
+
+@triton.jit
+def _mma(acc, a, b, SWAP_AB: tl.constexpr):
+    """acc += a @ b^T (a [M, K], b [N, K]); swapped (a given as [K, M]): acc^T += b @ a."""
+    if SWAP_AB:
+        out = tl.dot(b, a, acc)
+    else:
+        out = tl.dot(a, tl.trans(b), acc)
+    return out
+
+
+@triton.jit
+def _as_rows(v, SWAP_AB: tl.constexpr):
+    """A per-row vector broadcast against the accumulator ([BM, BN], or [BN, BM] when swapped)."""
+    if SWAP_AB:
+        out = v[None, :]
+    else:
+        out = v[:, None]
+    return out
+
+
+@triton.jit
+def _as_cols(v, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        out = v[:, None]
+    else:
+        out = v[None, :]
+    return out
+
+
+@triton.jit
+def _fp4_value(code, scale):
+    """E2M1 codes (int32, 4 bits) times fp32 block scales -> bf16 (exact), elementwise."""
+    h = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    return (h.to(tl.float32) * (scale * 16384.0)).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_x_fp4(x_ptr, xs_ptr, xrow, rmask, kk, K, SWAP_AB: tl.constexpr):
+    """NVFP4 x at columns kk (any order) -> bf16 [rows, k] ([k, rows] when swapped). Each element loads its
+    own byte and scale (x is the small operand; repeated addresses hit L1): no nibble interleave or scale
+    broadcast through shared memory."""
+    r = _as_rows(xrow, SWAP_AB)
+    k = _as_cols(kk, SWAP_AB)
+    m = _as_rows(rmask, SWAP_AB) & (k < K)
+    b = tl.load(x_ptr + r * (K // 2) + k // 2, mask=m, other=0).to(tl.int32)
+    sb = tl.load(xs_ptr + r * (K // 16) + k // 16, mask=m, other=0).to(tl.int32)
+    s_val, _ = e4m3_values_of_bytes(sb)
+    return _fp4_value((b >> ((k & 1) * 4)) & 0xF, s_val)
+
+
+@triton.jit
+def _load_x_cols(x_ptr, xs_ptr, xrow, rmask, kk, K, X_FP4: tl.constexpr, SWAP_AB: tl.constexpr):
+    """x at columns kk as bf16: [rows, len(kk)], or [len(kk), rows] when swapped (so no transpose is needed
+    before the MMA, where x is the second operand)."""
+    if X_FP4:
+        xt = _load_x_fp4(x_ptr, xs_ptr, xrow, rmask, kk, K, SWAP_AB)
+    else:
+        k = _as_cols(kk, SWAP_AB)
+        xt = tl.load(x_ptr + _as_rows(xrow, SWAP_AB) * K + k, mask=_as_rows(rmask, SWAP_AB) & (k < K), other=0.0)
+    return xt
+
+
+@triton.jit
+def _load_x(x_ptr, xs_ptr, xrow, rmask, k0, K, X_FP4: tl.constexpr, W_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """One K step of x, loaded once for the gate and up tiles: natural k order (x_a; x_b unused) for bf16
+    weights, (even k, odd k) halves for NVFP4 weights (see the module docstring)."""
+    if W_FP4:
+        ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        x_a = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, ke, K, X_FP4, SWAP_AB)
+        x_b = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, ke + 1, K, X_FP4, SWAP_AB)
+    else:
+        x_a = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, k0 + tl.arange(0, BLOCK_K), K, X_FP4, SWAP_AB)
+        x_b = x_a
+    return x_a, x_b
+
+
+@triton.jit
+def _accumulate(acc, x_a, x_b, w_ptr, ws_ptr, wrow, nmask, k0, K, W_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += x[rows, k0:k0+BLOCK_K] @ w[wrow, k0:k0+BLOCK_K]^T for one K step (x from :func:`_load_x`)."""
+    if W_FP4:
+        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        q = tl.load(w_ptr + wrow[:, None] * (K // 2) + hk[None, :], mask=nmask[:, None] & (hk[None, :] < K // 2),
+                    other=0)
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        sb = tl.load(ws_ptr + wrow[:, None] * (K // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < K // 16),
+                     other=0)
+        w_even, w_odd = _fp4_halves(q, sb, BLOCK_N, BLOCK_K // 2)
+        acc = _mma(acc, x_a, w_even, SWAP_AB)
+        acc = _mma(acc, x_b, w_odd, SWAP_AB)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=nmask[:, None] & (kk[None, :] < K), other=0.0)
+        acc = _mma(acc, x_a, w, SWAP_AB)
+    return acc
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+        x_ptr, xs_ptr, xgs_ptr,  # x: bf16 [rows, K] or packed uint8 [rows, K/2] + e4m3 bytes [rows, K/16] + fp32 gs
+        w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]
+        out_ptr, rs_ptr,  # out bf16 [rows, N]; row scale fp32 [rows]
+        cnt_ptr,  # masked: counts [G]; ragged: offsets [G+1]
+        G, M_MAX, N, K, S,
+        M_BUCKET,  # autotune key only
+        RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr, SWIGLU: tl.constexpr,
+        HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+        GROUP_M: tl.constexpr):
+    # program -> (row tile t, column tile): GROUP_M row tiles share a weight column tile while it is in L2
+    pid = tl.program_id(0)
+    if RAGGED:  # the row-tile upper bound the launcher sized the grid with
+        TILES_M = tl.cdiv(S, BLOCK_M) + G
+    else:
+        TILES_M = G * tl.cdiv(M_MAX, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * n_tiles
+    first_t = (pid // width) * GROUP_M
+    group_rows = tl.minimum(TILES_M - first_t, GROUP_M)
+    t = first_t + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    # row tile t -> (expert g, its row tile), from the device-side counts
+    gi = tl.arange(0, BLOCK_G)
+    gmask = gi < G
+    if RAGGED:
+        lo = tl.minimum(tl.maximum(tl.load(cnt_ptr + gi, mask=gmask, other=0).to(tl.int32), 0), S)
+        hi = tl.minimum(tl.maximum(tl.load(cnt_ptr + gi + 1, mask=gmask, other=0).to(tl.int32), 0), S)
+        cnt = tl.maximum(hi - lo, 0)
+    else:
+        cnt = tl.minimum(tl.maximum(tl.load(cnt_ptr + gi, mask=gmask, other=0).to(tl.int32), 0), M_MAX)
+        lo = gi * M_MAX
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    if t >= tl.sum(tiles):
+        return
+    g = tl.sum((ends <= t).to(tl.int32))
+    sel = gi == g
+    tile = t - tl.sum(tl.where(sel, ends - tiles, 0))
+    count = tl.sum(tl.where(sel, cnt, 0))
+    row0 = tl.sum(tl.where(sel, lo, 0)).to(tl.int64)
+
+    rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rm < count
+    xrow = row0 + rm  # int64: row * K can pass 2^31
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    NW = 2 * N if SWIGLU else N
+    wrow = g.to(tl.int64) * NW + rn
+
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = acc
+    for k0 in range(0, K, BLOCK_K):
+        x_a, x_b = _load_x(x_ptr, xs_ptr, xrow, rmask, k0, K, X_FP4, W_FP4, SWAP_AB, BLOCK_K)
+        acc = _accumulate(acc, x_a, x_b, w_ptr, ws_ptr, wrow, nmask, k0, K, W_FP4, SWAP_AB, BLOCK_N, BLOCK_K)
+        if SWIGLU:  # the matching up rows (N further down), so the [*, 2I] intermediate is never written
+            acc_up = _accumulate(acc_up, x_a, x_b, w_ptr, ws_ptr, wrow + N, nmask, k0, K, W_FP4, SWAP_AB, BLOCK_N,
+                                 BLOCK_K)
+
+    if X_FP4 or W_FP4:  # global scales: value = e2m1 * s / gs, so divide the fp32 sums once
+        inv = 1.0
+        if X_FP4:
+            inv = inv / tl.load(xgs_ptr)
+        if W_FP4:
+            inv = inv / tl.load(wgs_ptr + g)
+        acc = acc * inv
+        acc_up = acc_up * inv
+    if SWIGLU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if HAS_RS:
+        acc = acc * _as_rows(tl.load(rs_ptr + xrow, mask=rmask, other=0.0), SWAP_AB)
+    ptrs = out_ptr + _as_rows(xrow * N, SWAP_AB) + _as_cols(rn, SWAP_AB)
+    tl.store(ptrs, acc.to(tl.bfloat16), mask=_as_rows(rmask, SWAP_AB) & _as_cols(nmask, SWAP_AB))
+
+
+_KEY = ["M_BUCKET", "N", "K", "RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS"]
+_autotuned = triton.autotune(configs=tuning.grouped_gemm_configs(), key=_KEY,
+                             prune_configs_by={"early_config_prune": tuning.prune_grouped_gemm_configs})(
+                                 _grouped_gemm_kernel)
+
+last_launch: dict = {}
+"""What the latest :func:`grouped_gemm` call launched: ``source`` ("tuned-file" or "autotune") and ``config``
+(the config the autotuner picked is known after the call)."""
+
+
+def _operand(t, name: str, dims: int, what: str):
+    """(data, scales bytes, global scale, logical shape, is_fp4) of a bf16 tensor or an NvFp4Tensor."""
+    dev = kernel_device()
+    if isinstance(t, NvFp4Tensor):
+        check(not t.swizzled, f"{name}.swizzled", t.swizzled, "False (linear scales)")
+        check(len(t.shape) == dims, f"{name}.shape", tuple(t.shape), what)
+        check(t.data.dtype == torch.uint8 and tuple(t.data.shape) == (*t.shape[:-1], t.shape[-1] // 2),
+              f"{name}.data", f"{t.data.dtype} {tuple(t.data.shape)}", f"uint8 {(*t.shape[:-1], t.shape[-1] // 2)}")
+        check(t.scales.dtype == torch.float8_e4m3fn and tuple(t.scales.shape) == (*t.shape[:-1], t.shape[-1] // 16),
+              f"{name}.scales", f"{t.scales.dtype} {tuple(t.scales.shape)}",
+              f"float8_e4m3fn {(*t.shape[:-1], t.shape[-1] // 16)}")
+        check(t.global_scale.dtype == torch.float32, f"{name}.global_scale.dtype", t.global_scale.dtype,
+              "torch.float32")
+        for part in ("data", "scales", "global_scale"):
+            d = getattr(t, part).device
+            check(d.type == dev.type, f"{name}.{part}.device", str(d), f"{dev.type} (where the kernels run here)")
+        return (t.data.contiguous(), t.scales.contiguous().view(torch.uint8), t.global_scale.reshape(-1).contiguous(),
+                tuple(t.shape), True)
+    check(isinstance(t, torch.Tensor), f"type({name})", type(t).__name__, "a bf16 torch.Tensor or an NvFp4Tensor")
+    check(t.dtype == torch.bfloat16, f"{name}.dtype", t.dtype, "torch.bfloat16 (or an NvFp4Tensor)")
+    check(t.dim() == dims, f"{name}.shape", tuple(t.shape), what)
+    check(t.device.type == dev.type, f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
+    return t.contiguous(), None, None, tuple(t.shape), False
+
+
+def _index(t, name: str, length: int, dev) -> torch.Tensor:
+    check(isinstance(t, torch.Tensor), f"type({name})", type(t).__name__, "a torch.Tensor")
+    check(t.dtype in (torch.int32, torch.int64), f"{name}.dtype", t.dtype, "torch.int32 or torch.int64")
+    check(tuple(t.shape) == (length,), f"{name}.shape", tuple(t.shape), f"({length},)")
+    check(t.device == dev, f"{name}.device", str(t.device), str(dev))
+    return t.contiguous()
+
+
+def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                 swiglu: bool = False, row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 m_hint: int | None = None) -> torch.Tensor:
+    """Grouped GEMM ``y_g = x_g @ w_g^T`` per expert g, fp32 accumulation, bf16 output.
+
+    Layouts (exactly one of ``counts`` / ``offsets``, int32/int64 on x's device; no host sync, so the call
+    can be captured in a CUDA graph once autotuning has run for its shape):
+
+    - masked: ``x [G, M_max, K]``, ``counts [G]``; returns ``[G, M_max, N]``. Rows ``>= counts[g]`` are
+      never read, computed or written (the output is allocated with ``torch.empty``: they hold garbage).
+    - ragged: ``x [S, K]`` sorted by expert, ``offsets [G+1]`` (nondecreasing, in ``[0, S]``); rows
+      ``offsets[g]:offsets[g+1]`` belong to expert g. Returns ``[S, N]``; rows outside every expert are
+      not written.
+
+    ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales, scalar global scale). ``w``: bf16 ``[G, N, K]``,
+    or an NvFp4Tensor of that shape (linear scales, global scale ``[G]``, one per expert). K % 16 == 0.
+    ``swiglu``: w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
+    ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
+    per row of x (``[G, M_max]`` / ``[S]``), applied to the output row (the routing weight).
+    ``out``: optional bf16 contiguous output to write into. ``m_hint``: expected tokens per expert, to pick
+    the tuned config (default: M_max when masked, S / G when ragged).
+    """
+    check((counts is None) != (offsets is None), "(counts, offsets)",
+          ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
+          "exactly one of counts (masked layout) or offsets (ragged layout)")
+    ragged = offsets is not None
+    xd, xs, xgs, xshape, x_fp4 = _operand(x, "x", 2 if ragged else 3,
+                                          "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
+    wd, ws, wgs, wshape, w_fp4 = _operand(w, "w", 3, "[G, N, K]")
+    G, NW, K = wshape
+    check(G >= 1, "w.shape[0] (G)", G, ">= 1")
+    check(K >= 16 and K % 16 == 0, "w.shape[2] (K)", K, "a positive multiple of 16")
+    check(xshape[-1] == K, "x.shape[-1]", xshape[-1], f"{K} (w's K)")
+    check(NW >= 1 and (not swiglu or NW % 2 == 0), "w.shape[1] (N)", NW,
+          "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
+    dev = (x.data if x_fp4 else x).device
+    if x_fp4:
+        check(xgs.numel() == 1, "x.global_scale.shape", tuple(x.global_scale.shape), "a scalar (one per tensor)")
+    if w_fp4:
+        check(wgs.numel() in (1, G), "w.global_scale.shape", tuple(w.global_scale.shape), f"[{G}] (one per expert)")
+        wgs = wgs.expand(G).contiguous()
+    if ragged:
+        S, M_max = xshape[0], 0
+        idx = _index(offsets, "offsets", G + 1, dev)
+        rows_shape = (S,)
+    else:
+        check(xshape[0] == G, "x.shape[0]", xshape[0], f"{G} (w's number of experts G)")
+        S, M_max = G * xshape[1], xshape[1]
+        idx = _index(counts, "counts", G, dev)
+        rows_shape = (G, M_max)
+    N = NW // 2 if swiglu else NW
+    if row_scale is not None:
+        check(isinstance(row_scale, torch.Tensor) and row_scale.dtype == torch.float32, "row_scale.dtype",
+              getattr(row_scale, "dtype", type(row_scale).__name__), "torch.float32")
+        check(tuple(row_scale.shape) == rows_shape, "row_scale.shape", tuple(row_scale.shape), str(rows_shape))
+        check(row_scale.device == dev, "row_scale.device", str(row_scale.device), str(dev))
+        row_scale = row_scale.contiguous()
+    if out is None:
+        out = torch.empty(*rows_shape, N, dtype=torch.bfloat16, device=dev)
+    else:
+        check(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16, "out.dtype",
+              getattr(out, "dtype", type(out).__name__), "torch.bfloat16")
+        check(tuple(out.shape) == (*rows_shape, N), "out.shape", tuple(out.shape), str((*rows_shape, N)))
+        check(out.device == dev and out.is_contiguous(), "out", f"{out.device}, contiguous={out.is_contiguous()}",
+              f"a contiguous tensor on {dev}")
+    if S == 0:
+        return out
+
+    m = m_hint if m_hint is not None else (M_max if not ragged else triton.cdiv(S, G))
+    dummy = xd
+    args = (xd, xs if x_fp4 else dummy, xgs if x_fp4 else dummy, wd, ws if w_fp4 else dummy, wgs if w_fp4 else dummy,
+            out, row_scale if row_scale is not None else dummy, idx)
+
+    def tiles_m(bm):  # upper bound on row tiles: every expert full (masked), or S rows plus a ragged tail each
+        return triton.cdiv(S, bm) + G if ragged else G * triton.cdiv(M_max, bm)
+
+    flags = dict(RAGGED=ragged, X_FP4=x_fp4, W_FP4=w_fp4, SWIGLU=bool(swiglu), HAS_RS=row_scale is not None,
+                 BLOCK_G=max(triton.next_power_of_2(G), 2))
+    tuned = tuning.tuned_gemm_config(N, K, m, x_fp4, w_fp4, bool(swiglu))
+    if tuned is not None:
+        cfg = dict(tuned)
+        grid = (tiles_m(cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _grouped_gemm_kernel[grid](*args, G, M_max, N, K, S, tuning.m_bucket(m), **flags, **cfg)
+        last_launch.update(source="tuned-file", config=cfg)
+        return out
+
+    def grid(meta):
+        return (tiles_m(meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _autotuned[grid](*args, G, M_max, N, K, S, tuning.m_bucket(m), **flags)
+    best = getattr(_autotuned, "best_config", None)
+    last_launch.update(source="autotune", config=dict(best.all_kwargs()) if best is not None else None)
+    return out
+
+
+def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+               row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               m_hint: int | None = None) -> torch.Tensor:
+    """Expert SwiGLU MLP ``(silu(x W1^T) * (x W3^T)) W2^T`` per expert: two grouped GEMMs, bf16 in between.
+
+    ``w13 [G, 2I, H]`` (gate rows then up rows) and ``w2 [G, H, I]``: bf16 tensors or NvFp4Tensors (global
+    scale per expert). ``x``, ``counts`` / ``offsets``, ``row_scale`` (applied to the output of the second
+    GEMM), ``out`` and ``m_hint`` as in :func:`grouped_gemm`. Returns bf16 ``[G, M_max, H]`` (masked; rows past
+    the counts untouched) or ``[S, H]`` (ragged).
+    """
+    shape13 = tuple(w13.shape) if isinstance(w13, (torch.Tensor, NvFp4Tensor)) else None
+    shape2 = tuple(w2.shape) if isinstance(w2, (torch.Tensor, NvFp4Tensor)) else None
+    check(shape13 is not None and len(shape13) == 3, "w13.shape", shape13, "[G, 2I, H]")
+    check(shape2 is not None and len(shape2) == 3, "w2.shape", shape2, "[G, H, I]")
+    G, I2, H = shape13
+    check(shape2 == (G, H, I2 // 2), "w2.shape", shape2, f"{(G, H, I2 // 2)} (from w13 {shape13})")
+    h = grouped_gemm(x, w13, counts=counts, offsets=offsets, swiglu=True, m_hint=m_hint)
+    return grouped_gemm(h, w2, counts=counts, offsets=offsets, row_scale=row_scale, out=out, m_hint=m_hint)
+
+
+def _compile_checks():
+    """(raw jit function, signature, constexprs) per kernel variant, one representative config each,
+    for ``tests/test_compile.py`` (``triton.compile`` for sm_90 / sm_100 without the interpreter)."""
+    checks = []
+    for ragged in (False, True):
+        for x_fp4 in (False, True):
+            for w_fp4 in (False, True):
+                for swiglu, has_rs in ((True, False), (False, True)):
+                    for swap in (True, False):
+                        sig = {"x_ptr": "*u8" if x_fp4 else "*bf16", "xs_ptr": "*u8", "xgs_ptr": "*fp32",
+                               "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
+                               "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
+                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "S": "i32", "M_BUCKET": "i32"}
+                        const = {"RAGGED": ragged, "X_FP4": x_fp4, "W_FP4": w_fp4, "SWIGLU": swiglu,
+                                 "HAS_RS": has_rs, "BLOCK_G": 32,
+                                 "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
+                                 "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8}
+                        for name in const:
+                            sig[name] = "constexpr"
+                        checks.append((_grouped_gemm_kernel, sig, const))
+    return checks
+
+
+COMPILE_CHECKS = _compile_checks()
+"""Every (layout, x format, w format, epilogue, operand order) variant of the grouped GEMM kernel."""

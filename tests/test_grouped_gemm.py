@@ -1,0 +1,270 @@
+"""Grouped GEMM / expert MLP kernels against the fp32 torch references (moe_ep.reference).
+
+NVFP4 operands are compared against the reference run on their dequantized values (the kernel computes
+exactly that function, up to fp32 summation order and the bf16 output). Error bound: relative Frobenius
+error ``||out - ref|| / ||ref||``; the output is bf16 (2^-9 relative rounding) and the MMA inputs are bf16
+(NVFP4 values times E4M3 scales are exact in bf16), so 1e-2 for one GEMM; the expert MLP also rounds its
+intermediate to bf16, so 2e-2.
+"""
+
+import importlib
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_ep import MoEEpConfigError, MoEEpInputError
+from moe_ep.kernels import NvFp4Tensor, expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4
+from moe_ep.kernels import tuning
+from moe_ep.reference import dequantize_nvfp4_ref, expert_mlp_ref, grouped_gemm_ref
+
+GEMM_TOL = 1e-2
+MLP_TOL = 2e-2
+
+gg = importlib.import_module("moe_ep.kernels.grouped_gemm")  # the module (the package exports the function)
+_fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                              HealthCheck.data_too_large])
+
+
+def _values(shape, scale, zero_frac, gen, dev):
+    v = torch.randn(shape, generator=gen) * scale
+    if zero_frac:
+        v = v * (torch.rand(shape, generator=gen) >= zero_frac)
+    return v.to(torch.bfloat16).to(dev)
+
+
+def _weights(w, fmt):
+    """(operand passed to the kernel, dense fp32 operand the reference uses)."""
+    if fmt == "bf16":
+        return w, w.float()
+    q = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
+    return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
+
+
+def _acts(x, fmt):
+    if fmt == "bf16":
+        return x, x.float()
+    q = quantize_nvfp4(x, None if x.numel() else 1.0)  # (the default scale needs an amax: not of nothing)
+    return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
+
+
+def _counts(draw, G, max_rows):
+    mode = draw(st.sampled_from(["random", "one-expert", "empty"]))
+    if mode == "one-expert":
+        c = [0] * G
+        c[draw(st.integers(0, G - 1))] = max_rows
+    elif mode == "empty":
+        c = [0] * G
+    else:
+        c = [draw(st.integers(0, max_rows)) for _ in range(G)]
+    return c
+
+
+@st.composite
+def gemm_cases(draw):
+    G = draw(st.integers(1, 6))
+    return dict(
+        G=G, K=16 * draw(st.integers(1, 6)), N=16 * draw(st.integers(1, 5)), counts=_counts(draw, G, 9),
+        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
+        w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), swiglu=draw(st.booleans()), row_scale=draw(st.booleans()),
+        pad=draw(st.integers(0, 3)), m_hint=draw(st.sampled_from([None, 64])),
+        scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
+        seed=draw(st.integers(0, 2**16)))
+
+
+def _layout(c, K, dev, gen):
+    """x bf16 (masked [G, M_max, K] or ragged [S, K]), index tensor kwargs, valid-row mask, rows shape."""
+    G, counts = c["G"], c["counts"]
+    if c["ragged"]:
+        offs = [0]
+        for n in counts:
+            offs.append(offs[-1] + n)
+        S = offs[-1] + c["pad"]  # trailing rows that belong to no expert: must stay untouched
+        valid = torch.zeros(S, dtype=torch.bool)
+        valid[:offs[-1]] = True
+        idx = dict(offsets=torch.tensor(offs, dtype=torch.int32, device=dev))
+        rows = (S,)
+    else:
+        M_max = max(counts + [0]) + c["pad"]
+        valid = torch.arange(M_max)[None, :] < torch.tensor(counts)[:, None]
+        idx = dict(counts=torch.tensor(counts, dtype=torch.int64, device=dev))
+        rows = (G, M_max)
+    x = _values((*rows, K), c["scale"], c["zero_frac"], gen, dev)
+    return x, idx, valid.to(dev), rows
+
+
+def _assert_close(out, ref, valid, tol):
+    o, r = out[valid].float(), ref[valid].float()
+    assert torch.isfinite(o).all()
+    err = (o - r).norm().item()
+    assert err <= tol * r.norm().item() + 1e-30, f"rel err {err / max(r.norm().item(), 1e-30):.3e} > {tol}"
+    assert torch.isnan(out[~valid].float()).all(), "rows outside the experts' counts were written"
+
+
+@_fixture_ok
+@given(gemm_cases())
+def test_grouped_gemm_matches_reference(dev, c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    G, K, N = c["G"], c["K"], c["N"]
+    x, idx, valid, rows = _layout(c, K, dev, gen)
+    w = _values((G, 2 * N if c["swiglu"] else N, K), 0.5, c["zero_frac"], gen, dev)
+    xk, xr = _acts(x, c["x_fmt"])
+    wk, wr = _weights(w, c["w_fmt"])
+    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
+    out = torch.full((*rows, N), float("nan"), dtype=torch.bfloat16, device=dev)  # poisoned
+    got = grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs, out=out, m_hint=c["m_hint"])
+    assert got is out
+    ref = grouped_gemm_ref(xr, wr, **idx, swiglu=c["swiglu"], row_scale=rs)
+    _assert_close(out, ref, valid, GEMM_TOL)
+
+
+@st.composite
+def mlp_cases(draw):
+    G = draw(st.integers(1, 4))
+    return dict(
+        G=G, H=16 * draw(st.integers(1, 4)), I=16 * draw(st.integers(1, 4)), counts=_counts(draw, G, 7),
+        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
+        w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 2)),
+        scale=1.0, zero_frac=0.0, seed=draw(st.integers(0, 2**16)))
+
+
+@_fixture_ok
+@given(mlp_cases())
+def test_expert_mlp_matches_reference(dev, c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    G, H, I = c["G"], c["H"], c["I"]
+    x, idx, valid, rows = _layout(c, H, dev, gen)
+    w13k, w13r = _weights(_values((G, 2 * I, H), 0.3, 0.0, gen, dev), c["w_fmt"])
+    w2k, w2r = _weights(_values((G, H, I), 0.3, 0.0, gen, dev), c["w_fmt"])
+    xk, xr = _acts(x, c["x_fmt"])
+    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
+    out = torch.full((*rows, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    expert_mlp(xk, w13k, w2k, **idx, row_scale=rs, out=out)
+    ref = expert_mlp_ref(xr, w13r, w2r, **idx, row_scale=rs)
+    _assert_close(out, ref, valid, MLP_TOL)
+
+
+def test_masked_rows_never_written_without_out(dev):
+    """Without out=, rows past the counts of a fresh torch.empty output are whatever was there (not zeroed)."""
+    G, M, K, N = 2, 8, 32, 32
+    x = torch.randn(G, M, K).bfloat16().to(dev)
+    w = torch.randn(G, N, K).bfloat16().to(dev)
+    out = grouped_gemm(x, w, counts=torch.tensor([3, 0], device=dev))
+    ref = grouped_gemm_ref(x, w, counts=torch.tensor([3, 0], device=dev))
+    assert out.shape == (G, M, N) and out.dtype == torch.bfloat16
+    assert ((out[0, :3].float() - ref[0, :3]).norm() <= GEMM_TOL * ref[0, :3].norm())
+
+
+@pytest.mark.parametrize("m_hint, swap", [(None, True), (8, True), (200, False)])
+def test_decode_shapes_swap_operands(dev, m_hint, swap):
+    G, M, K, N = 2, 4, 32, 64
+    x = torch.randn(G, M, K).bfloat16().to(dev)
+    w = torch.randn(G, N, K).bfloat16().to(dev)
+    grouped_gemm(x, w, counts=torch.tensor([4, 2], device=dev), m_hint=m_hint)
+    assert gg.last_launch["source"] == "autotune"
+    assert gg.last_launch["config"]["SWAP_AB"] is swap
+
+
+def _bad_cases(dev):
+    G, M, K, N = 2, 4, 32, 32
+    x = torch.zeros(G, M, K, dtype=torch.bfloat16, device=dev)
+    w = torch.zeros(G, N, K, dtype=torch.bfloat16, device=dev)
+    cnt = torch.tensor([1, 2], dtype=torch.int32, device=dev)
+    offs = torch.tensor([0, 1, 3], dtype=torch.int32, device=dev)
+    xr = torch.zeros(3, K, dtype=torch.bfloat16, device=dev)
+    wq = quantize_nvfp4(w.float() + 1, nvfp4_global_scale(w.float() + 1, per_slice=True))
+    xq = quantize_nvfp4(x + 1)
+    return [
+        ("counts, offsets", lambda: grouped_gemm(x, w, counts=cnt, offsets=offs)),
+        ("counts, offsets", lambda: grouped_gemm(x, w)),
+        ("x.dtype", lambda: grouped_gemm(x.float(), w, counts=cnt)),
+        ("type(x)", lambda: grouped_gemm(x.tolist(), w, counts=cnt)),
+        ("x.shape", lambda: grouped_gemm(xr, w, counts=cnt)),
+        ("x.shape", lambda: grouped_gemm(x, w, offsets=offs)),
+        ("w.dtype", lambda: grouped_gemm(x, w.half(), counts=cnt)),
+        ("w.shape", lambda: grouped_gemm(x, w[0], counts=cnt)),
+        ("x.shape[-1]", lambda: grouped_gemm(x[..., :16].contiguous(), w, counts=cnt)),
+        ("(K)", lambda: grouped_gemm(x[..., :8].contiguous(), w[..., :8].contiguous(), counts=cnt)),
+        ("x.shape[0]", lambda: grouped_gemm(x[:1].contiguous(), w, counts=cnt[:1])),
+        ("counts.shape", lambda: grouped_gemm(x, w, counts=cnt[:1])),
+        ("counts.dtype", lambda: grouped_gemm(x, w, counts=cnt.float())),
+        ("offsets.shape", lambda: grouped_gemm(xr, w, offsets=offs[:2])),
+        ("offsets.dtype", lambda: grouped_gemm(xr, w, offsets=offs.to(torch.int16))),
+        ("(N)", lambda: grouped_gemm(x, w[:, :17].contiguous(), counts=cnt, swiglu=True)),
+        ("row_scale.dtype", lambda: grouped_gemm(x, w, counts=cnt, row_scale=torch.ones(G, M, device=dev).double())),
+        ("row_scale.shape", lambda: grouped_gemm(x, w, counts=cnt, row_scale=torch.ones(G, M + 1, device=dev))),
+        ("row_scale.shape", lambda: grouped_gemm(xr, w, offsets=offs, row_scale=torch.ones(4, device=dev))),
+        ("out.shape", lambda: grouped_gemm(x, w, counts=cnt, out=torch.empty(G, M, N + 1, dtype=torch.bfloat16,
+                                                                                  device=dev))),
+        ("out.dtype", lambda: grouped_gemm(x, w, counts=cnt, out=torch.empty(G, M, N, device=dev))),
+        ("x.swizzled", lambda: grouped_gemm(quantize_nvfp4(x + 1, swizzle=True), w, counts=cnt)),
+        ("x.global_scale.shape", lambda: grouped_gemm(
+            NvFp4Tensor(xq.data, xq.scales, torch.ones(G, device=dev), xq.shape), w, counts=cnt)),
+        ("w.global_scale.shape", lambda: grouped_gemm(
+            x, NvFp4Tensor(wq.data, wq.scales, torch.ones(3, device=dev), wq.shape), counts=cnt)),
+        ("w.data", lambda: grouped_gemm(x, NvFp4Tensor(wq.data[..., :8], wq.scales, wq.global_scale, wq.shape),
+                                        counts=cnt)),
+        ("w.scales", lambda: grouped_gemm(x, NvFp4Tensor(wq.data, wq.scales.view(torch.uint8), wq.global_scale,
+                                                         wq.shape), counts=cnt)),
+        ("w2.shape", lambda: expert_mlp(x, torch.zeros(G, 2 * N, K, dtype=torch.bfloat16, device=dev), w[:, :16],
+                                        counts=cnt)),
+        ("w13.shape", lambda: expert_mlp(x, w[0], w, counts=cnt)),
+    ]
+
+
+def test_bad_inputs_raise(dev):
+    for what, call in _bad_cases(dev):
+        with pytest.raises(MoEEpInputError) as e:
+            call()
+        assert what in str(e.value), (what, str(e.value))
+        assert "allowed" in str(e.value)
+
+
+def _tuned_file(tmp_path, monkeypatch, table):
+    monkeypatch.setenv(tuning.CONFIG_DIR_ENV, str(tmp_path))
+    (tmp_path / f"{tuning.device_name()}.json").write_text(json.dumps(table))
+
+
+_ODD = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SWAP_AB": False, "GROUP_M": 1, "num_warps": 2,
+        "num_stages": 1}  # unlike any autotune config, so its use is visible
+
+
+def test_tuned_config_file_overrides_autotune(dev, tmp_path, monkeypatch):
+    G, M, K, N = 3, 5, 64, 48
+    x = torch.randn(G, M, K).bfloat16().to(dev)
+    w = torch.randn(G, 2 * N, K).bfloat16().to(dev)
+    cnt = torch.tensor([5, 1, 0], device=dev)
+    other = dict(_ODD, BLOCK_N=32)
+    _tuned_file(tmp_path, monkeypatch, {tuning.shape_class(N, K, False, False, True): {"16": _ODD, "256": other}})
+    out = grouped_gemm(x, w, counts=cnt, swiglu=True)
+    assert gg.last_launch == {"source": "tuned-file", "config": _ODD}
+    ref = grouped_gemm_ref(x, w, counts=cnt, swiglu=True)
+    assert (out[0, :5].float() - ref[0, :5]).norm() <= GEMM_TOL * ref[0, :5].norm()
+    grouped_gemm(x, w, counts=cnt, swiglu=True, m_hint=200)  # nearest bucket
+    assert gg.last_launch["config"] == other
+    grouped_gemm(x, w[:, :N].contiguous(), counts=cnt)  # another shape class: not in the file
+    assert gg.last_launch["source"] == "autotune"
+
+
+@pytest.mark.parametrize("table", [[1, 2], {tuning.shape_class(32, 32, False, False, False): {"16": {"BLOCK_M": 16}}},
+                                   {tuning.shape_class(32, 32, False, False, False): {"16": dict(_ODD, BLOCK_N=24)}}])
+def test_bad_tuned_config_file_raises(dev, tmp_path, monkeypatch, table):
+    _tuned_file(tmp_path, monkeypatch, table)
+    x = torch.zeros(1, 2, 32, dtype=torch.bfloat16, device=dev)
+    w = torch.zeros(1, 32, 32, dtype=torch.bfloat16, device=dev)
+    with pytest.raises(MoEEpConfigError):
+        grouped_gemm(x, w, counts=torch.tensor([2], device=dev))
+
+
+def test_compile_checks_cover_every_variant():
+    import triton
+    seen = set()
+    for fn, sig, const in gg.COMPILE_CHECKS:
+        assert not isinstance(fn, triton.runtime.autotuner.Autotuner) and hasattr(fn, "arg_names")
+        assert set(sig) == set(fn.arg_names)
+        assert all(sig[k] == "constexpr" for k in const)
+        seen.add(tuple(const[k] for k in ("RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB")))
+    want = {(r, xf, wf, s, not s, sw) for r in (0, 1) for xf in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
+    assert {tuple(bool(v) for v in t) for t in seen} == {tuple(bool(v) for v in t) for t in want}
