@@ -30,7 +30,7 @@ import torch
 from ..errors import MoEEpInputError
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, dist_setup, dist_teardown, int_list, name_list, preset_from_args,
-                     print_table, progress, time_call, versions, write_json)
+                     print_table, progress, time_call, time_fixed, versions, write_json)
 
 KERNELS = ("mlp", "mlp-nvfp4", "quant", "bridge", "layer")
 LAYOUTS = ("ll-expert_major", "ll-rank_major", "ht-flat", "ht-expert_major")
@@ -221,7 +221,12 @@ class Bench:
         else:
             diff = _rel(out, ref)
         # through the interpreter every call costs seconds: the checked call is the timed one
-        t_ours = t_first if INTERPRETER else time_call(ours, rep_ms=args.rep_ms)
+        if INTERPRETER:
+            t_ours = t_first
+        elif kernel.startswith("layer") and self.world > 1:  # a collective: the same call count on every rank
+            t_ours = time_fixed(ours)
+        else:
+            t_ours = time_call(ours, rep_ms=args.rep_ms)
         t_peer = time_call(peer, rep_ms=args.rep_ms)
         floor = max(nbytes / args.bandwidth, flops / args.peak_flops)
         return dict(preset=p.name, kernel=kernel, tokens=T, slots=S, ours_us=t_ours * 1e6, peer_us=t_peer * 1e6,

@@ -118,6 +118,21 @@ def time_call(fn, *, rep_ms: float = 100.0, warmup_ms: float = 25.0) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
 
 
+def time_fixed(fn, calls: int = 20, warmup: int = 3) -> float:
+    """Mean seconds per call over a fixed number of calls: for collectives, where every rank must make the
+    same calls (``do_bench`` picks its count from each rank's own timing)."""
+    if INTERPRETER or not torch.cuda.is_available():
+        calls, warmup = 1, 0
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
 # --- torchrun -------------------------------------------------------------------------------------------
 
 
