@@ -21,9 +21,9 @@ import shlex
 import time
 
 import torch
-from hypothesis import given, reproduce_failure, settings
+from hypothesis import assume, given, reproduce_failure, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
-from hypothesis.errors import HypothesisException
+from hypothesis.errors import HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
 from .. import strategies as S
@@ -232,6 +232,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--database", default=None,
                         help="example database folder (default: ~/.cache/moe-ep/hypothesis)")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default random)")
+    parser.add_argument("--all-configs", action="store_true",
+                        help="let the grouped GEMM autotune over its whole space (default: its quick search, "
+                        "MOE_EP_AUTOTUNE_QUICK, since every new shape would otherwise compile ~10 configs)")
     parser.add_argument("--reproduce", default=None, metavar="VERSION:BLOB",
                         help="replay one failure printed by an earlier run (needs exactly one target)")
 
@@ -261,6 +264,8 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
     done, t0, lines = [0], time.perf_counter(), []
 
     def body(case):
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            assume(False)  # time is up: the rest of this round is skipped (cheaply)
         done[0] += 1
         check(case, dev)
 
@@ -285,7 +290,12 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
             left = None if total is None else total - done[0]
             if (left is not None and left <= 0) or (budget_s is not None and time.perf_counter() - t0 > budget_s):
                 break
-            one_round(max(1, min(left or 50, 50)))
+            try:
+                one_round(max(1, min(left or 10, 10)))
+            except Unsatisfiable:  # every example of the round came after the time was up
+                if budget_s is None or time.perf_counter() - t0 <= budget_s:
+                    raise
+                break
             if args.reproduce:
                 break
     except (Exception, AssertionError) as e:  # noqa: BLE001  (any exception in a kernel is a finding)
@@ -311,6 +321,8 @@ def run(args) -> int:
         raise MoEEpInputError(f"--examples = {args.examples}; allowed: a positive int")
     if args.seconds is not None and args.seconds <= 0:
         raise MoEEpInputError(f"--seconds = {args.seconds}; allowed: a positive number")
+    if not args.all_configs:
+        os.environ.setdefault("MOE_EP_AUTOTUNE_QUICK", "1")
     sizes = args.sizes or ("tiny" if INTERPRETER or not torch.cuda.is_available() else "gpu")
     db, dev = _database(args), device()
     os.makedirs(db, exist_ok=True)
