@@ -11,6 +11,7 @@ source .kits/nixl/setup_on_device.sh .kits/nixl || exit 1
 python3 -c "import moe_ep; from moe_ep.transports.discovery import format_transports_table as f; print(f())"
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -m "transport and gpu" tests/test_transports_gpu.py
 timeout 240 python3 benchmarks/bench_transports.py --out "$out/bench_transports_w1.json"
+timeout 120 python3 benchmarks/bench_transports.py --nvfp4 --transports nccl_ep --out "$out/bench_transports_w1_nvfp4.json"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 240 torchrun --standalone --nproc-per-node 2 benchmarks/bench_transports.py \
     --out "$out/bench_transports_w2.json"

@@ -170,21 +170,27 @@ def test_nccl_ep_ll_hidden_rule():
 
 @pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
 def test_nccl_ep_nvfp4_forwards_packed_rows(alg, lay):
+    """bf16 in; codes + e4m3 scales + the rank's global scale travel (FWD); NvFp4Tensor out, per-row scale."""
+    from moe_ep.kernels.nvfp4 import quantize_nvfp4
+    from moe_ep.reference import global_scale_from_amax
     H = 256
     c = cfg(alg, lay, H=H, act=Format.NVFP4)
     t, ep = nccl(c)
     B = 6
-    _, idx, w = routing(B, c.num_experts, c.top_k, 1)
-    data = torch.randint(0, 256, (B, H // 2), dtype=torch.uint8)
-    scales = torch.rand(B, H // 16).to(torch.float8_e4m3fn)
-    q = NvFp4Tensor(data, scales, torch.tensor(3.0), torch.Size((B, H)))
-    res = t.dispatch(q, idx, w)
+    x, idx, w = routing(B, c.num_experts, c.top_k, 1, H=H)
+    res = t.dispatch(x, idx, w)
     d = next(c_ for c_ in ep.calls if c_[0] == "Handle.dispatch")
     assert d[1]._lowpp.tokens._ep_t.datatype == 12 and d[4]._lowpp.quantization_recipe == ep.DispatchQuantizationRecipe.FWD
-    assert isinstance(res.tokens, NvFp4Tensor) and res.tokens.shape[-1] == H
-    got = res.tokens.data.reshape(-1, H // 2)
-    sent = {bytes(r.tolist()) for r, ok in zip(data, (idx >= 0).any(1)) if ok}
-    assert sent <= {bytes(r.tolist()) for r in got}, "every routed packed row arrives unchanged"
+    assert isinstance(res.tokens, NvFp4Tensor) and res.tokens.shape[-1] == H and not res.tokens.swizzled
+    q = quantize_nvfp4(x, global_scale_from_amax(x.float().abs().amax()), check_finite=False)
+    routed = (idx >= 0).any(1)
+    data, sc, gs = (res.tokens.data.reshape(-1, H // 2), res.tokens.scales.reshape(-1, H // 16),
+                    res.tokens.global_scale.reshape(-1))
+    got = {(bytes(data[i].tolist()), bytes(sc[i].view(torch.uint8).tolist()), float(gs[i])) for i in range(len(data))}
+    for b in range(B):
+        if routed[b]:
+            want = (bytes(q.data[b].tolist()), bytes(q.scales[b].view(torch.uint8).tolist()), float(q.global_scale))
+            assert want in got, f"token {b}: codes, scales and global scale arrive unchanged"
 
 
 # ---- NIXL-EP ----
@@ -245,3 +251,11 @@ def test_nccl_ep_steady_state_builds_nothing(monkeypatch):
         t.dispatch(x, idx, w)
         t.combine(y)
     assert first > 0 and len(made) == first
+
+
+def test_needs_initialized_process_group():
+    from moe_ep.errors import MoEEpInputError
+    with pytest.raises(MoEEpInputError, match="init_process_group"):
+        NcclEpTransport(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), ep=fake_nccl_ep.make_module())
+    with pytest.raises(MoEEpInputError, match="init_process_group"):
+        NixlEpTransport(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048), nixl=fake_nixl_ep.make_module())

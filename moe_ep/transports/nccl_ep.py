@@ -16,8 +16,11 @@ What each layout asks of the library (``nccl_ep.h`` in the wheel; asserts quoted
 | HT EXPERT_MAJOR | tokens [S, H], topk_weights [S] f32 (1-D); S = T*R*K | handle: expert_counters, expert_offsets [L], recv_total_counter [1], all int64 | tokens [B, H] |
 
 LL dispatch also takes ``inputs.topk_weights`` for RANK_MAJOR; HT (forward pass) always. NVFP4 activations
-use ``DispatchQuantizationRecipe.FWD``: tokens are packed FP4 (``ncclFloat4x2`` = 12, ``[B, H/2]``) and the
-e4m3 scales ``[B, H/16]`` travel unchanged.
+(as in the portable transport): dispatch takes bf16 rows, quantizes them with this rank's own global scale
+(``2688 / amax``) and sends them with ``DispatchQuantizationRecipe.FWD``: packed FP4 tokens (``ncclFloat4x2``
+= 12, ``[B, H/2]``) plus one raw ``uint8`` scale row per token (FWD accepts raw uint8 scales of any 16-byte
+multiple width): the ``H/16`` e4m3 block scales, then the fp32 global scale, zero padded to ``H/16 + 16``
+bytes. The received ``tokens`` are an ``NvFp4Tensor`` with linear scales and a per-row ``global_scale``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
 from .base import DispatchResult
 
-HT_MAX_TOKENS_PER_RANK = 8192       # seen on H200: HT beyond 8192 tokens/rank is not supported
+HT_MAX_TOKENS_PER_RANK = 8192       # HT kernels' build-time MAX_SUPPORTED_TOKENS_PER_RANK (NCCL contrib/nccl_ep common.hpp)
 NCCL_FLOAT4X2 = 12                  # nccl_ep.h line 22: ncclFloat4x2, not a member of nccl4py's NcclDataType
 
 # dtype of the received top-k ids per (algorithm, layout), enforced by libnccl_ep.so:
@@ -37,8 +40,6 @@ RECV_TOPK_IDX_DTYPE = {(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR): torch.int32,
                        (Algorithm.HIGH_THROUGHPUT, Layout.FLAT): torch.int64}
 HT_EM_COUNTER_DTYPE = torch.int64   # "all preprocessing int output tensors must share dtype"
 RECV_TOPK_IDX_KIND = "LOCAL"        # ExpertIdKind member: pinned (AUTO "may change in a future release")
-_NCCL_DTYPE = {torch.bfloat16: 9, torch.float32: 7, torch.int32: 2, torch.int64: 4, torch.uint8: 1,
-               torch.float8_e4m3fn: 10, torch.float16: 6}
 
 
 def load_nccl_ep():
@@ -72,6 +73,9 @@ class NcclEpTransport:
         self.config = c = config
         if rank is None or world_size is None:
             import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                raise MoEEpInputError("torch.distributed is not initialized; allowed: transport 'nccl_ep' after "
+                                      "torch.distributed.init_process_group (world size 1 included)")
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.rank, self.world = rank, world_size
         self.L = c.local_experts(world_size)
@@ -124,7 +128,11 @@ class NcclEpTransport:
         b = self.bufs = {}
         b["tokens"] = z(*lead, H // 2 if self.fp4 else H, dt=torch.uint8 if self.fp4 else torch.bfloat16)
         if self.fp4:
-            b["scales"] = z(*lead, H // 16, dt=torch.float8_e4m3fn)
+            b["scale_rows"] = z(*lead, H // 16 + 16, dt=torch.uint8)   # what travels: e4m3 scales, fp32 gs, pad
+            b["scales"] = z(*lead, H // 16, dt=torch.float8_e4m3fn)     # what the compute reads (contiguous)
+            b["row_gs"] = z(*lead, dt=torch.float32)
+            b["x_scale_rows"] = z(T, H // 16 + 16, dt=torch.uint8)       # the send side's rows
+            b["x_codes"] = z(T, H // 2, dt=torch.uint8)                  # ... and codes (same address each step)
         idx_dt = RECV_TOPK_IDX_DTYPE.get((c.algorithm, c.layout))
         if c.layout is Layout.RANK_MAJOR or (self.ht and c.layout is Layout.FLAT):
             b["topk_weights"] = z(*lead, K, dt=torch.float32)
@@ -158,7 +166,7 @@ class NcclEpTransport:
                 recv_topk_idx_kind=ep.ExpertIdKind[RECV_TOPK_IDX_KIND])
         self.dispatch_out = ep.DispatchOutputs(
             tokens=self._desc(b["tokens"], fp4=self.fp4), topk_weights=self._opt(b.get("topk_weights")),
-            scales=self._opt(b.get("scales")), topk_idx=self._opt(b.get("topk_idx")))
+            scales=self._opt(b.get("scale_rows")), topk_idx=self._opt(b.get("topk_idx")))
         self.dispatch_cfg = ep.DispatchConfig(
             quantization_recipe=ep.DispatchQuantizationRecipe.FWD if self.fp4 else ep.DispatchQuantizationRecipe.NONE)
 
@@ -190,18 +198,17 @@ class NcclEpTransport:
     def dispatch(self, hidden_states, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         """Send each token to its experts' ranks; returns the layout's DispatchResult (views of owned buffers).
 
-        ``hidden_states``: bf16 ``[B, H]``, or with NVFP4 activations an ``NvFp4Tensor`` (linear scales) whose
-        global scale all ranks share. ``topk_idx`` ``[B, K]`` global ids (-1 = none), int64 (other dtypes are
+        ``hidden_states``: bf16 ``[B, H]`` (with NVFP4 activations quantized here, see the module docstring).
+        ``topk_idx`` ``[B, K]`` global ids (-1 = none), int64 (other dtypes are
         copied into an owned int64 buffer first: ``Group.create_handle`` documents int64); ``topk_weights``
         ``[B, K]`` float32 (likewise). The descriptors of a step are cached by the inputs' addresses, so
         a caller that reuses its input buffers (CUDA graphs, static serving buffers) pays no set-up per step.
         """
+        x, xs = hidden_states, None
         if self.fp4:
-            check(hasattr(hidden_states, "scales") and not getattr(hidden_states, "swizzled", True),
-                  "hidden_states", type(hidden_states).__name__, "an NvFp4Tensor with linear scales")
-            x, xs = hidden_states.data.contiguous(), hidden_states.scales.contiguous()
-        else:
-            x, xs = hidden_states, None
+            check(x.dtype == torch.bfloat16 and x.dim() == 2, "hidden_states", f"{tuple(x.shape)} {x.dtype}",
+                  "bf16 [B, H] (NVFP4 activations are quantized by the transport)")
+            x, xs = self._quantize(x)
         if topk_idx.dtype is not torch.int64:   # staged into an owned buffer: same address every step
             topk_idx = self.bufs["idx_in"][:topk_idx.shape[0]].copy_(topk_idx)
         if topk_weights.dtype is not torch.float32:
@@ -211,7 +218,7 @@ class NcclEpTransport:
                topk_weights.data_ptr(), topk_weights.shape, None if xs is None else xs.data_ptr())
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(x, xs, topk_idx, topk_weights, hidden_states)
+            plan = self._plan(x, xs, topk_idx, topk_weights)
             if len(self._plans) > 16:
                 self._plans.clear()
             self._plans[key] = plan
@@ -225,11 +232,26 @@ class NcclEpTransport:
         self.handle.dispatch(inputs, self.dispatch_out, layout_info=self.dispatch_info, config=self.dispatch_cfg,
                              stream=stream)
         self._last = (cout, out, stream)
-        if self.fp4:
-            result.tokens.global_scale = hidden_states.global_scale
+        if self.fp4:  # split the received scale rows into the compute's contiguous scales + per-row scale
+            b, h16 = self.bufs, self.config.hidden_size // 16
+            b["scales"].view(torch.uint8).copy_(b["scale_rows"][..., :h16])
+            b["row_gs"].view(torch.uint8).view(*b["row_gs"].shape, 4).copy_(b["scale_rows"][..., h16:h16 + 4])
         return result
 
-    def _plan(self, x, xs, topk_idx, topk_weights, hidden_states):
+    def _quantize(self, x: torch.Tensor):
+        """NVFP4 codes of ``x`` with this rank's global scale, and their scale rows (e4m3 | fp32 gs | 0)."""
+        from ..kernels.nvfp4 import quantize_nvfp4
+        from ..reference import global_scale_from_amax
+        B, h16 = x.shape[0], self.config.hidden_size // 16
+        amax = torch.cat([x.detach().abs().float().reshape(-1), x.new_zeros(1, dtype=torch.float32)]).amax()
+        q = quantize_nvfp4(x, global_scale_from_amax(amax), check_finite=False)
+        rows = self.bufs["x_scale_rows"][:B]
+        rows[:, :h16].copy_(q.scales.view(torch.uint8))
+        rows[:, h16:h16 + 4].copy_(q.global_scale.float().reshape(1, 1).expand(B, 1).contiguous()
+                                   .view(torch.uint8).view(B, 4))
+        return self.bufs["x_codes"][:B].copy_(q.data), rows
+
+    def _plan(self, x, xs, topk_idx, topk_weights):
         """Validate a new input signature and build its descriptors, bundles and result (once)."""
         c, b = self.config, self.bufs
         if not self.fp4:
@@ -243,7 +265,7 @@ class NcclEpTransport:
               f"({B}, {c.top_k})")
         need_w = self.ht or c.layout is Layout.RANK_MAJOR
         ll_em = not self.ht and c.layout is Layout.EXPERT_MAJOR
-        inputs = self._bundle("DispatchInputs", tokens=self._desc(x, fp4=self.fp4),
+        inputs = self._bundle("DispatchInputs", tokens=self._desc(x, fp4=self.fp4),  # x: codes if NVFP4
                               topk_weights=self._desc(topk_weights) if need_w else None,
                               scales=self._desc(xs) if self.fp4 else None)
         out = b["out"][:B]
@@ -252,8 +274,7 @@ class NcclEpTransport:
         tokens = b["tokens"]
         if self.fp4:
             from ..kernels.nvfp4 import NvFp4Tensor
-            tokens = NvFp4Tensor(tokens, b["scales"], hidden_states.global_scale,
-                                 torch.Size((*tokens.shape[:-1], c.hidden_size)))
+            tokens = NvFp4Tensor(tokens, b["scales"], b["row_gs"], torch.Size((*tokens.shape[:-1], c.hidden_size)))
         result = DispatchResult(tokens=tokens, expert_counts=b.get("expert_counts"),
                                 expert_offsets=b.get("expert_offsets"), topk_idx=b.get("topk_idx"),
                                 topk_weights=b.get("topk_weights"), src_rank_counts=b.get("src_rank_counts"),

@@ -80,6 +80,9 @@ class NixlEpTransport:
                  world_size: int | None = None, device=None):
         if rank is None or world_size is None:
             import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                raise MoEEpInputError("torch.distributed is not initialized; allowed: transport 'nixl_ep' after "
+                                      "torch.distributed.init_process_group (world size 1 included)")
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         check_nixl_config(config, world_size)
         self.nixl = nixl if nixl is not None else load_nixl_ep()
@@ -99,6 +102,8 @@ class NixlEpTransport:
                                           num_rdma_bytes=B.get_rdma_size_hint(T, H, world_size, E))
         self.buffer.connect_ranks(list(range(world_size)))
         self.out = torch.zeros(T, H, dtype=torch.bfloat16, device=self.device)
+        self._idx = torch.zeros(T, config.top_k, dtype=self.nixl.topk_idx_t, device=self.device)
+        self._w = torch.zeros(T, config.top_k, dtype=torch.float32, device=self.device)
         self._last = None
 
     def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
@@ -110,8 +115,9 @@ class NixlEpTransport:
         check(x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < B <= c.max_tokens_per_rank, "hidden_states",
               f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with 1 <= B <= {c.max_tokens_per_rank}")
         check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
-        idx = topk_idx.to(self.nixl.topk_idx_t).contiguous()
-        w = topk_weights.to(torch.float32).contiguous()
+        idx = topk_idx.contiguous() if topk_idx.dtype == self.nixl.topk_idx_t else \
+            self._idx[:B].copy_(topk_idx)          # staged: nixl_ep_cu13.topk_idx_t (int32 in 1.5.1)
+        w = topk_weights.contiguous() if topk_weights.dtype == torch.float32 else self._w[:B].copy_(topk_weights)
         recv_x, recv_count, handle, _event, _hook = self.buffer.low_latency_dispatch(
             x.contiguous(), idx, c.max_tokens_per_rank, c.num_experts, use_fp8=False,
             async_finish=False, return_recv_hook=False)
