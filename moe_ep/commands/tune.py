@@ -110,9 +110,9 @@ def _operands(s, dev):
     """Ragged x (every expert ``bucket`` rows), weights and offsets for shape ``s``."""
     from ..kernels.nvfp4 import nvfp4_global_scale, quantize_nvfp4
     G, N, K, m = s["G"], s["N"], s["K"], s["bucket"]
-    gen = torch.Generator().manual_seed(0)
-    w = (torch.randn(G, 2 * N if s["swiglu"] else N, K, generator=gen) * K ** -0.5).to(torch.bfloat16).to(dev)
-    x = torch.randn(G * m, K, generator=gen).to(torch.bfloat16).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)  # generated on the device: weights can be GBs
+    w = (torch.randn(G, 2 * N if s["swiglu"] else N, K, generator=gen, device=dev) * K ** -0.5).to(torch.bfloat16)
+    x = torch.randn(G * m, K, generator=gen, device=dev).to(torch.bfloat16)
     if s["w_fp4"]:
         w = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
     if s["x_fp4"]:
