@@ -17,15 +17,11 @@ from __future__ import annotations
 import torch
 
 from .config import Algorithm, EpConfig, Format, Layout
+from .kernels import expert_mlp
 from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
 from .kernels.nvfp4 import NvFp4Tensor, dequantize_nvfp4, quantize_nvfp4
 from .transports.base import DispatchResult
 from .weights import ExpertWeights
-
-
-def _expert_mlp():
-    from .kernels.grouped_gemm import expert_mlp  # the grouped-GEMM module (branch gemm)
-    return expert_mlp
 
 
 def _rows(tokens, valid: torch.Tensor | None):
@@ -56,7 +52,7 @@ def ll_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.T
         valid = torch.arange(RT, device=w.device)[None, :] < d.expert_counts[:, None]
         x = _rows(x, valid)
         x = quantize_nvfp4(x, check_finite=False) if nvfp4 else x.to(torch.bfloat16)
-    return _expert_mlp()(x, w.w13, w.w2, counts=d.expert_counts)
+    return expert_mlp(x, w.w13, w.w2, counts=d.expert_counts)
 
 
 def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_rows: torch.Tensor,
@@ -74,7 +70,7 @@ def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_r
         xs = permute_rows(x, route, quantize=True) if nvfp4 else permute_rows(x.to(torch.bfloat16), route)
     else:
         xs = permute_rows(tokens.reshape(M, H), route)
-    y = _expert_mlp()(xs, w.w13, w.w2, offsets=route.offsets)
+    y = expert_mlp(xs, w.w13, w.w2, offsets=route.offsets)
     return unpermute_reduce(y, route, topk_weights.reshape(M, K))
 
 
@@ -99,7 +95,7 @@ def ht_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.T
         valid = torch.arange(x.shape[0], device=w.device) < offsets[-1]
         x = _rows(x, valid)
         x = quantize_nvfp4(x, check_finite=False) if nvfp4 else x.to(torch.bfloat16)
-    return _expert_mlp()(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float())
+    return expert_mlp(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float())
 
 
 _COMPUTE = {

@@ -225,3 +225,20 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
 
 
 __all__ = ["Route", "route_experts", "permute_rows", "unpermute_reduce", "NvFp4Tensor"]
+
+
+def _compile_checks():
+    """(raw jit function, signature, constexprs) per kernel variant, for ``triton.compile`` on sm_90/sm_100
+    without a GPU (tests/test_bridge_compile.py)."""
+    route = {"idx_ptr": "*i64", "valid_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
+             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", "N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32",
+             "L": "i32", "HAS_VALID": "constexpr", "BLOCK": "constexpr"}
+    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "H": "i32",
+              "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
+           "K": "constexpr", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    checks = [(_route_kernel, route, {"HAS_VALID": v, "BLOCK": _ROUTE_BLOCK}) for v in (False, True)]
+    checks.append((_gather_rows_kernel.fn, gather, {"BLOCK_M": 4, "BLOCK_H": 1024}))
+    checks += [(_unpermute_reduce_kernel.fn, red, {"K": 8, "HAS_W": w, "BLOCK_M": 4, "BLOCK_H": 1024})
+               for w in (False, True)]
+    return checks
