@@ -5,10 +5,14 @@ see :mod:`moe_ep.triton_runtime`.
 """
 
 from . import triton_runtime  # noqa: F401  (must precede any triton import)
+from .config import Algorithm, EpConfig, Format, Layout
 from .errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpError, MoEEpInputError
+from .layer import MoEEpLayer
 from .transports.discovery import available_transports
+from .weights import ExpertWeights
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEEpError", "MoEEpConfigError", "MoEEpInputError", "MoEEpBackendUnavailable",
+__all__ = ["MoEEpLayer", "EpConfig", "Algorithm", "Layout", "Format", "ExpertWeights",
+           "MoEEpError", "MoEEpConfigError", "MoEEpInputError", "MoEEpBackendUnavailable",
            "available_transports", "__version__"]

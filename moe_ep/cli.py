@@ -1,4 +1,9 @@
-"""The ``moe-ep`` command."""
+"""The ``moe-ep`` command: demo, info, bench, tune, fuzz.
+
+Each subcommand's logic lives in its own module under ``moe_ep.commands``; this file only wires argparse.
+Bad arguments raise named errors (:class:`moe_ep.MoEEpInputError` / :class:`moe_ep.MoEEpConfigError`),
+reported as ``moe-ep <cmd>: error: ...`` with exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -9,34 +14,94 @@ import time
 import moe_ep
 
 
-def _demo(args) -> int:
+def _quantizer_demo(args, dev) -> bool:
     import torch
 
     from .kernels import dequantize_nvfp4, quantize_nvfp4
+
+    torch.manual_seed(0)
+    x = torch.randn(args.quant_tokens, args.hidden, dtype=torch.bfloat16, device=dev)
+    q = quantize_nvfp4(x)
+    rel = ((dequantize_nvfp4(q).float() - x.float()).norm() / x.float().norm()).item()
+    print(f"[1] NVFP4 round trip of a random bf16 batch [{args.quant_tokens}, {args.hidden}]: relative error "
+          f"{rel:.4f} (bound for normal data about 0.1)")
+    return rel < 0.15
+
+
+def _demo_worker(rank: int, world: int, store_path: str, args, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from . import EpConfig, ExpertWeights, MoEEpLayer
+    from .compute import expert_compute
+    from .reference import moe_reference
+    from .triton_runtime import device
+
+    dev = device()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    E, K, H, I, B = args.experts, args.top_k, args.hidden, args.inter, args.tokens
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    gx = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(B, H, generator=gx).bfloat16().to(dev)
+    idx = torch.rand(B, E, generator=gx).topk(K, dim=1).indices.to(dev)
+    w = torch.rand(B, K, generator=gx).softmax(1).to(dev)
+    ref = moe_reference(x, idx, w, w13.to(dev), w2.to(dev))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for alg, lay in [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]:
+        cfg = EpConfig(E, K, H, I, B, alg, lay)
+        layer = MoEEpLayer(cfg, ExpertWeights.from_global(w13, w2, rank, world, device=dev))
+        layer(x, idx, w)  # warm up (autotune, buffers)
+        times = []
+        sync()
+        t0 = time.perf_counter()
+        d = layer.transport.dispatch(x, idx, w)
+        sync()
+        t1 = time.perf_counter()
+        y = expert_compute(cfg, d, layer.weights)
+        sync()
+        t2 = time.perf_counter()
+        out = layer.transport.combine(y)
+        sync()
+        t3 = time.perf_counter()
+        times = [t1 - t0, t2 - t1, t3 - t2]
+        err = torch.tensor([(out.float() - ref).abs().max().item(), ref.abs().max().item()])
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        tt = torch.tensor(times)
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            queue.put((f"{alg}/{lay}", err.tolist(), tt.tolist()))
+    dist.destroy_process_group()
+
+
+def _demo(args) -> int:
+    import os
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
     from .triton_runtime import INTERPRETER, device
 
     dev = device()
-    print("moe-ep demo: the NVFP4 quantizer (the MoE layer demo arrives with the layer).")
-    print(f"device: {dev} ({'Triton interpreter' if INTERPRETER else 'compiled Triton'})")
-    torch.manual_seed(0)
-    x = torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16, device=dev)
-    q = quantize_nvfp4(x)
-    y = dequantize_nvfp4(q)
-    rel = ((y.float() - x.float()).norm() / x.float().norm()).item()
-    reps = 3 if INTERPRETER else 50
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        quantize_nvfp4(x, q.global_scale, check_finite=False)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / reps
-    nbytes = x.numel() * 2 + q.data.numel() + q.scales.numel()
-    print(f"round trip of a random bf16 batch [{args.tokens}, {args.hidden}]: relative error {rel:.4f} "
-          f"(NVFP4's bound for normal data is about 0.1)")
-    print(f"quantize: {dt * 1e3:.3f} ms per call, {nbytes / dt / 1e9:.2f} GB/s (bytes read + written)")
-    return 0 if rel < 0.15 else 1
+    print(f"moe-ep demo on {dev} ({'Triton interpreter' if INTERPRETER else 'compiled Triton'})")
+    ok = _quantizer_demo(args, dev)
+    if args.tokens is None:
+        args.tokens = 4 if INTERPRETER else 128
+    print(f"[2] MoE layer: {args.experts} experts, top-{args.top_k}, H {args.hidden}, I {args.inter}, "
+          f"{args.tokens} tokens on each of {args.ranks} ranks (gloo, spawned), vs the dense fp32 reference")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_demo_worker, args=(args.ranks, os.path.join(d, "store"), args, queue), nprocs=args.ranks)
+    print(f"{'algorithm/layout':<18}{'max |err|':>11}{'max |ref|':>11}{'dispatch':>11}{'compute':>11}{'combine':>11}")
+    while not queue.empty():
+        name, (err, ref), times = queue.get()
+        ok &= err <= 0.02 * max(ref, 1e-6) + 1e-3
+        print(f"{name:<18}{err:>11.2e}{ref:>11.2e}" + "".join(f"{t * 1e3:>9.2f}ms" for t in times))
+    print("demo: OK" if ok else "demo: error above the bf16 bound")
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,11 +109,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=moe_ep.__version__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="run the demo on a small default model")
-    demo.add_argument("--tokens", type=int, default=128)
-    demo.add_argument("--hidden", type=int, default=1024)
+    demo.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4 on CPU, 128 on GPU)")
+    demo.add_argument("--quant-tokens", type=int, default=64)
+    demo.add_argument("--experts", type=int, default=8)
+    demo.add_argument("--top-k", type=int, default=2)
+    demo.add_argument("--hidden", type=int, default=256)
+    demo.add_argument("--inter", type=int, default=512)
+    demo.add_argument("--ranks", type=int, default=2)
     demo.set_defaults(func=_demo)
+    _add_commands(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except moe_ep.MoEEpError as e:
+        print(f"moe-ep {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+_COMMANDS = {
+    "info": "device, versions, transports available (and why not), tuned configs found",
+    "bench": "time the kernels and the layer against their peers and floors; JSON + PNG",
+    "tune": "sweep the grouped GEMM configs per shape and token bucket; write the tuned-config JSON",
+    "fuzz": "differential fuzzing of every kernel and the layer against the references (hypothesis)",
+}
+
+
+def _add_commands(sub) -> None:
+    """The subcommands in ``moe_ep.commands``: each module has ``add_arguments`` and ``run``."""
+    import importlib
+    for name, help_text in _COMMANDS.items():
+        mod = importlib.import_module(f"moe_ep.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
 
 
 if __name__ == "__main__":

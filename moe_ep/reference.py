@@ -173,3 +173,77 @@ def expert_mlp_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, coun
     """
     h = grouped_gemm_ref(x, w13, counts=counts, offsets=offsets, swiglu=True)
     return grouped_gemm_ref(h, w2, counts=counts, offsets=offsets, row_scale=row_scale)
+
+
+# --- the layout bridge (moe_ep.kernels.bridge) and the dense MoE ---------------------------------------
+
+
+def route_experts_ref(topk_idx: torch.Tensor, num_local_experts: int, valid_rows: torch.Tensor | None = None,
+                      rows_per_group: int | None = None):
+    """Reference of ``bridge.route_experts``: ``(counts [L], offsets [L+1], slot [M, K], row_of_slot [M*K])``,
+    int32. A pick is valid when its id is in ``[0, L)`` and its row is within its group's ``valid_rows``
+    count; within an expert, slots follow ascending ``(row, k)``; invalid picks get slot -1 and slots past
+    ``offsets[L]`` get row -1.
+    """
+    M, K = topk_idx.shape
+    L = num_local_experts
+    ids = topk_idx.long().cpu().clone()
+    ok = (ids >= 0) & (ids < L)
+    if valid_rows is not None:
+        r = torch.arange(M)
+        ok &= (r % rows_per_group < valid_rows.long().cpu()[r // rows_per_group])[:, None]
+    ids[~ok] = -1
+    counts = torch.tensor([int((ids == e).sum()) for e in range(L)], dtype=torch.int64)
+    offsets = torch.zeros(L + 1, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    slot = torch.full((M, K), -1, dtype=torch.int64)
+    row_of_slot = torch.full((M * K,), -1, dtype=torch.int64)
+    nxt = offsets[:-1].clone()
+    for row in range(M):
+        for k in range(K):
+            e = int(ids[row, k])
+            if e >= 0:
+                slot[row, k] = nxt[e]
+                row_of_slot[nxt[e]] = row
+                nxt[e] += 1
+    dev = topk_idx.device
+    return tuple(t.to(torch.int32).to(dev) for t in (counts, offsets, slot, row_of_slot))
+
+
+def permute_rows_ref(x: torch.Tensor, row_of_slot: torch.Tensor, total: int) -> torch.Tensor:
+    """Reference gather: the first ``total`` rows of ``x[row_of_slot]``."""
+    return x[row_of_slot[:total].long()]
+
+
+def unpermute_reduce_ref(y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference ``out[row] = sum_k w[row, k] * y[slot[row, k]]`` in fp32 (slot -1 skipped), ``[M, H]``."""
+    M, K = slot.shape
+    out = torch.zeros(M, y.shape[-1], dtype=torch.float32, device=y.device)
+    for k in range(K):
+        s = slot[:, k].long()
+        hit = s >= 0
+        v = y.float()[s.clamp(min=0)]
+        if weights is not None:
+            v = v * weights[:, k].float()[:, None]
+        out += torch.where(hit[:, None], v, torch.zeros_like(v))  # a skipped pick adds +0 (even over NaN)
+    return out
+
+
+def moe_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> torch.Tensor:
+    """Dense single-process MoE in fp32: ``out[b] = sum_k w[b, k] * expert_{idx[b, k]}(x[b])`` (id -1 skipped).
+
+    ``x [B, H]``, ``topk_idx [B, K]`` global ids, ``topk_weights [B, K]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``
+    dense (dequantize NVFP4 weights first). Returns fp32 ``[B, H]``.
+    """
+    xf = x.float()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    n = w13.shape[1] // 2
+    for e in range(w13.shape[0]):
+        rows, ks = (topk_idx == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = xf[rows] @ w13[e].float().T
+        y = (torch.nn.functional.silu(h[:, :n]) * h[:, n:]) @ w2[e].float().T
+        out.index_add_(0, rows, y * topk_weights[rows, ks].float()[:, None])
+    return out

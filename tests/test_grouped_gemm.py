@@ -28,6 +28,12 @@ _fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixtur
                                               HealthCheck.data_too_large])
 
 
+@pytest.fixture(autouse=True)
+def _bounded_autotune(monkeypatch):
+    """On a GPU, search at most 3 configs per shape class: the tests check results, not speed."""
+    monkeypatch.setenv(tuning.QUICK_ENV, "1")
+
+
 def _values(shape, scale, zero_frac, gen, dev):
     v = torch.randn(shape, generator=gen) * scale
     if zero_frac:

@@ -177,7 +177,7 @@ def _grouped_gemm_kernel(
         cnt = tl.maximum(hi - lo, 0)
     else:
         cnt = tl.minimum(tl.maximum(tl.load(cnt_ptr + gi, mask=gmask, other=0).to(tl.int32), 0), M_MAX)
-        lo = gi * M_MAX
+        lo = gi.to(tl.int64) * M_MAX
     tiles = (cnt + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(tiles, 0)
     if t >= tl.sum(tiles):

@@ -72,6 +72,7 @@ def grouped_gemm_configs() -> list[triton.Config]:
             for stages in (3, 4, 5):
                 if bn * bk <= 128 * 128 or stages <= 4:
                     space.append(_gemm(bm, bn, bk, True, stages, 4))
+        space.append(_gemm(bm, 128, 128, True, 4, 8))  # more warps to decode NVFP4 weights
     for bm, bn, bk, stages, warps in ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 3, 4),
                                       (128, 64, 64, 4, 4), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4),
                                       (128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (64, 256, 64, 4, 8)):

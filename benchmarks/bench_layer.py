@@ -1,0 +1,179 @@
+"""Benchmark the EP layer on one GPU (world size 1): a DeepSeek-V3-like rank, 32 local experts, H 7168,
+I 2048, top-8; LL at 128 tokens, HT at 4096 tokens, every layout.
+
+Per stage (dispatch, bridge, GEMM1, GEMM2, combine) in microseconds (CUDA events), the whole forward,
+its host overhead (CPU time to enqueue one forward), CUDA-graph replay for LL, and the bridge's gather
+bandwidth against a device copy of the same bytes and against the torch version of the same step, all
+measured in this run. The short table is printed last; ``--out FILE`` writes everything as JSON.
+
+    python benchmarks/bench_layer.py [--weight-format nvfp4] [--out bench_layer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import moe_ep  # noqa: F401  (before triton)
+import torch
+
+from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
+from moe_ep.kernels import grouped_gemm
+from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
+
+
+def cuda_us(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / iters * 1e3
+
+
+def host_us(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / iters * 1e6
+
+
+def torch_route(ids: torch.Tensor, L: int):
+    """The torch version of the bridge's route + gather index: stable sort of the flat ids."""
+    flat = ids.reshape(-1)
+    key = torch.where(flat >= 0, flat, L)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=L + 1)[:L]
+    return order // ids.shape[1], counts.cumsum(0)
+
+
+def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
+    E, K, H, I = args.experts, args.top_k, args.hidden, args.inter
+    cfg = EpConfig(E, K, H, I, B, alg, layout, args.weight_format, args.activation_format)
+    weights = ExpertWeights(w13, w2, args.weight_format)
+    layer = MoEEpLayer(cfg, weights)
+    dev = torch.device("cuda")
+    x = torch.randn(B, H, device=dev).bfloat16()
+    idx = torch.rand(B, E, device=dev).topk(K, dim=1).indices
+    w = torch.rand(B, K, device=dev)
+    fwd = lambda: layer(x, idx, w, validate=False)  # noqa: E731
+    r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": cuda_us(fwd), "host_us": host_us(fwd)}
+    tr = layer.transport
+    r["dispatch_us"] = cuda_us(lambda: tr.dispatch(x, idx, w))
+    d = tr.dispatch(x, idx, w)
+    L = E
+    if layout in ("rank_major", "flat"):  # bridge in the compute
+        ids = d.topk_idx.reshape(-1, K)
+        valid = d.src_rank_counts if layout == "rank_major" else d.num_recv.reshape(1)
+        group = B if layout == "rank_major" else ids.shape[0]
+        rows = d.tokens.reshape(-1, H)
+        route = route_experts(ids, L, valid_rows=valid, rows_per_group=group)
+        r["bridge_us"] = cuda_us(lambda: permute_rows(rows, route_experts(ids, L, valid_rows=valid,
+                                                                          rows_per_group=group)))
+        xs = permute_rows(rows, route)
+        off = dict(offsets=route.offsets)
+        h = grouped_gemm(xs, weights.w13, swiglu=True, **off)
+        r["gemm1_us"] = cuda_us(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off))
+        y = grouped_gemm(h, weights.w2, **off)
+        r["gemm2_us"] = cuda_us(lambda: grouped_gemm(h, weights.w2, **off))
+        red = unpermute_reduce(y, route, d.topk_weights.reshape(-1, K))
+        r["combine_us"] = cuda_us(lambda: tr.combine(unpermute_reduce(y, route, d.topk_weights.reshape(-1, K))))
+        # bridge bandwidth: gathered rows read + written, vs a device copy of the same bytes, vs torch
+        total = int(route.offsets[-1])
+        nbytes = 2 * total * H * 2
+        src = torch.empty(total, H, device=dev, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        t_gather = cuda_us(lambda: permute_rows(rows, route))
+        t_copy = cuda_us(lambda: dst.copy_(src))
+        t_torch_gather = cuda_us(lambda: rows.index_select(0, route.row_of_slot[:total].long()))
+        t_route = cuda_us(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group))
+        t_torch_route = cuda_us(lambda: torch_route(ids, L))
+        t_red = cuda_us(lambda: unpermute_reduce(y, route, d.topk_weights.reshape(-1, K)))
+        slot = route.slot.long()
+        wts = d.topk_weights.reshape(-1, K)
+        t_torch_red = cuda_us(lambda: (y[slot.clamp(min=0)].float() * (wts * (slot >= 0))[..., None]).sum(1))
+        r.update(gather_GBps=nbytes / t_gather / 1e3, copy_GBps=nbytes / t_copy / 1e3,
+                 torch_gather_GBps=nbytes / t_torch_gather / 1e3, route_us=t_route, torch_route_us=t_torch_route,
+                 unpermute_us=t_red, torch_unpermute_us=t_torch_red)
+        del red
+    else:  # expert-major: the transport's dispatch did the packing; GEMMs straight on its layout
+        r["bridge_us"] = 0.0
+        if layout == "expert_major" and alg == "ll":
+            off = dict(counts=d.expert_counts)
+        else:
+            off = dict(offsets=torch.cat([d.expert_offsets, d.expert_offsets[-1:] + d.expert_counts[-1:]]))
+        xs = d.tokens
+        h = grouped_gemm(xs, weights.w13, swiglu=True, **off)
+        r["gemm1_us"] = cuda_us(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off))
+        rs = dict(row_scale=d.topk_weights.float()) if alg == "ht" else {}
+        y = grouped_gemm(h, weights.w2, **off, **rs)
+        r["gemm2_us"] = cuda_us(lambda: grouped_gemm(h, weights.w2, **off, **rs))
+        r["combine_us"] = cuda_us(lambda: tr.combine(y))
+    if alg == "ll":
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            layer(x, idx, w)
+        r["graph_replay_us"] = cuda_us(g.replay)
+        r["graph_host_us"] = host_us(g.replay)
+    wbytes = sum(t.numel() * t.element_size() for t in (
+        [weights.w13, weights.w2] if args.weight_format == "bf16"
+        else [weights.w13.data, weights.w13.scales, weights.w2.data, weights.w2.scales]))
+    r["weight_floor_us"] = wbytes / args.bandwidth_tbps / 1e6
+    r["flop_floor_us"] = 2 * B * K * 3 * H * I / args.tflops / 1e6
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--ll-tokens", type=int, default=128)
+    p.add_argument("--ht-tokens", type=int, default=4096)
+    p.add_argument("--weight-format", default="bf16", choices=["bf16", "nvfp4"])
+    p.add_argument("--activation-format", default="bf16", choices=["bf16", "nvfp4"])
+    p.add_argument("--bandwidth-tbps", type=float, default=4.26, help="device copy ceiling (DESIGN.md)")
+    p.add_argument("--tflops", type=float, default=795.0, help="bf16 dense matmul ceiling (DESIGN.md)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "bench_layer.py needs a CUDA GPU"
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    E, H, I = args.experts, args.hidden, args.inter
+    w13 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).bfloat16()
+    cases = [("ll", "expert_major", args.ll_tokens), ("ll", "rank_major", args.ll_tokens),
+             ("ht", "flat", args.ht_tokens), ("ht", "expert_major", args.ht_tokens)]
+    results = []
+    for alg, lay, B in cases:
+        r = bench_case(alg, lay, B, args, w13, w2)
+        results.append(r)
+        print(json.dumps(r))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    cols = ["dispatch_us", "bridge_us", "gemm1_us", "gemm2_us", "combine_us", "forward_us", "host_us",
+            "graph_replay_us", "weight_floor_us", "flop_floor_us"]
+    print(f"\n{'case':<16}{'tok':>6}" + "".join(f"{c.replace('_us', ''):>11}" for c in cols) + "   (us)")
+    for r in results:
+        print(f"{r['case']:<16}{r['tokens']:>6}" + "".join(f"{r.get(c, float('nan')):>11.1f}" for c in cols))
+    print(f"\n{'bridge (GB/s, us)':<16}{'gather':>10}{'copy':>10}{'torch':>10}{'route':>10}{'torch':>10}"
+          f"{'unperm':>10}{'torch':>10}")
+    for r in results:
+        if "gather_GBps" in r:
+            print(f"{r['case']:<16}{r['gather_GBps']:>10.0f}{r['copy_GBps']:>10.0f}{r['torch_gather_GBps']:>10.0f}"
+                  f"{r['route_us']:>10.1f}{r['torch_route_us']:>10.1f}{r['unpermute_us']:>10.1f}"
+                  f"{r['torch_unpermute_us']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

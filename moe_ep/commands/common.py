@@ -1,0 +1,244 @@
+"""What the subcommands share: model presets, argument parsing helpers, timing, progress, torchrun setup."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ..errors import MoEEpInputError
+from ..triton_runtime import INTERPRETER, device
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model's MoE shape. ``ep`` is the expert-parallel size it is deployed at, so one rank holds
+    ``experts // ep`` local experts (DeepSeek-V3: 256 experts over EP8 -> 32 per rank)."""
+
+    name: str
+    experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+    ep: int = 1
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "local_experts": self.local_experts}
+
+
+PRESETS = {p.name: p for p in (
+    Preset("deepseek-v3", 256, 7168, 2048, 8, ep=8),
+    Preset("qwen3-30b-a3b", 128, 2048, 768, 8),
+    Preset("mixtral-8x7b", 8, 4096, 14336, 2),
+    Preset("small", 8, 256, 512, 2),
+)}
+
+
+def get_preset(name: str, *, hidden: int | None = None, intermediate: int | None = None,
+               local_experts: int | None = None, top_k: int | None = None) -> Preset:
+    """The preset ``name``, with optional overrides (for quick runs on tiny shapes). Unknown names and
+    bad overrides raise :class:`MoEEpInputError` listing what is allowed."""
+    if name not in PRESETS:
+        raise MoEEpInputError(f"preset = {name!r}; allowed: {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    for what, v, mult in (("hidden", hidden, 32), ("intermediate", intermediate, 16)):
+        if v is not None and (v <= 0 or v % mult):
+            raise MoEEpInputError(f"--{what} = {v}; allowed: a positive multiple of {mult}")
+    if local_experts is not None and local_experts <= 0:
+        raise MoEEpInputError(f"--experts = {local_experts}; allowed: a positive int (local experts per rank)")
+    p = replace(p, hidden=hidden or p.hidden, intermediate=intermediate or p.intermediate)
+    if local_experts is not None:
+        p = replace(p, experts=local_experts, ep=1)
+    if top_k is not None:
+        if not 0 < top_k <= p.experts * max(1, p.ep):
+            raise MoEEpInputError(f"--top-k = {top_k}; allowed: 1..{p.experts}")
+        p = replace(p, top_k=top_k)
+    return p
+
+
+def add_shape_arguments(parser) -> None:
+    """``--preset`` plus the shape overrides every subcommand accepts."""
+    parser.add_argument("--preset", default="small", help=f"model shape: one of {', '.join(PRESETS)}")
+    parser.add_argument("--hidden", type=int, default=None, help="override the preset's hidden size H")
+    parser.add_argument("--intermediate", type=int, default=None, help="override the intermediate size I")
+    parser.add_argument("--experts", type=int, default=None, help="override the local experts per rank")
+    parser.add_argument("--top-k", type=int, default=None, help="override top-k")
+
+
+def preset_from_args(args, name: str | None = None) -> Preset:
+    return get_preset(name or args.preset, hidden=args.hidden, intermediate=args.intermediate,
+                      local_experts=args.experts, top_k=args.top_k)
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """``"1,8,64"`` -> ``[1, 8, 64]``; anything else raises MoEEpInputError."""
+    try:
+        out = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or any(v <= 0 for v in out):
+        raise MoEEpInputError(f"{what} = {text!r}; allowed: comma-separated positive ints, e.g. 1,8,64")
+    return out
+
+
+def name_list(text: str, what: str, allowed) -> list[str]:
+    """``"a,b"`` -> ``["a", "b"]``, each in ``allowed`` (``all`` = every one)."""
+    allowed = list(allowed)
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    if names == ["all"]:
+        return allowed
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise MoEEpInputError(f"{what} = {text!r}; allowed: 'all' or a comma-separated subset of {', '.join(allowed)}")
+    return names
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_call(fn, *, rep_ms: float = 100.0, warmup_ms: float = 25.0) -> float:
+    """Median seconds per call of ``fn``. On a GPU: ``triton.testing.do_bench`` (L2 flushed between calls).
+    Through the interpreter: one wall-clock call (each costs seconds; the number only says it ran)."""
+    if INTERPRETER or not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
+
+
+def time_fixed(fn, calls: int = 20, warmup: int = 3) -> float:
+    """Mean seconds per call over a fixed number of calls: for collectives, where every rank must make the
+    same calls (``do_bench`` picks its count from each rank's own timing)."""
+    if INTERPRETER or not torch.cuda.is_available():
+        calls, warmup = 1, 0
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
+# --- torchrun -------------------------------------------------------------------------------------------
+
+
+def dist_setup() -> tuple[int, int]:
+    """(rank, world size). Under torchrun (``WORLD_SIZE`` > 1) initialize the default process group (nccl on
+    GPUs, gloo on the CPU) and pick this rank's GPU; otherwise (0, 1) and nothing is initialized."""
+    import torch.distributed as dist
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def dist_teardown() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# --- output ---------------------------------------------------------------------------------------------
+
+
+def write_json(path: str, obj) -> None:
+    """Write ``obj`` as JSON atomically (a half-written file never replaces a good one)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def versions() -> dict:
+    """Python, torch, triton, CUDA and NCCL versions, the device and how kernels run."""
+    import platform
+
+    import triton
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # noqa: BLE001  (reported, not fatal)
+            nccl = f"unavailable ({type(e).__name__})"
+    dev = device()
+    return dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, nccl=nccl,
+                device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                capability=".".join(map(str, torch.cuda.get_device_capability())) if dev.type == "cuda" else None,
+                kernels="Triton interpreter" if INTERPRETER else "compiled Triton")
+
+
+def console():
+    """A rich Console, or None when rich is not installed (then plain prints)."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> None:
+    """A table through rich when installed, else aligned plain text."""
+    con = console()
+    if con is not None:
+        from rich.table import Table
+        t = Table(title=title)
+        for c in columns:
+            t.add_column(c, overflow="fold")
+        for r in rows:
+            t.add_row(*[str(v) for v in r])
+        con.print(t)
+        return
+    print(title)
+    widths = [max(len(str(x)) for x in [c] + [r[i] for r in rows]) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int, enabled: bool = True):
+    """A progress bar (rich) yielding ``advance(label=None)``; plain one-line updates without rich."""
+    if not enabled:
+        yield lambda label=None: None
+        return
+    try:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+    except ImportError:
+        done = [0]
+
+        def advance(label=None):
+            done[0] += 1
+            print(f"[{done[0]}/{total}] {description}" + (f": {label}" if label else ""), flush=True)
+        yield advance
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), TextColumn("{task.fields[label]}"), console=console()) as p:
+        task = p.add_task(description, total=total, label="")
+
+        def advance(label=None):
+            p.update(task, advance=1, label=label or "")
+        yield advance

@@ -1,0 +1,219 @@
+"""``moe-ep tune``: time every grouped-GEMM config for a preset's shapes and write the best per token bucket.
+
+Shapes per preset (L local experts, hidden H, intermediate I): GEMM1 ``[*, H] x [L, 2I, H]`` with the SwiGLU
+epilogue and GEMM2 ``[*, I] x [L, H, I]``, for each weight format (``--formats``) and, for GEMM1, each
+activation format (``--activations``). Token buckets are tokens per expert (``--buckets``): the tuned-config
+file's inner key (``moe_ep.kernels.tuning.m_bucket``).
+
+The candidates are exactly the kernels' own space, ``tuning.grouped_gemm_configs()`` pruned by
+``tuning.prune_grouped_gemm_configs`` for the shape class, the same list ``triton.autotune`` would try.
+Each is timed explicitly (forced through the launcher's tuned-config hook, then ``do_bench``), not through
+``triton.autotune``; a config that fails to compile or run is skipped. The best is written to
+``<dir>/<device name>.json`` in the loader's format (``{shape_class: {bucket: config}}``), after each shape,
+atomically, so an interrupted run loses nothing and a rerun skips what is already there (``--force`` redoes
+it). ``<dir>``: ``--out-dir``, else ``$MOE_EP_CONFIG_DIR``, else the package's ``moe_ep/kernels/configs``.
+Nothing here assumes an architecture: the device name and the config space come from the kernels' module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import torch
+
+from ..errors import MoEEpConfigError
+from ..triton_runtime import INTERPRETER, device
+from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
+                     sync, time_call, write_json)
+
+FORMATS = ("bf16", "nvfp4")
+GEMMS = ("gemm1", "gemm2")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "num_warps", "num_stages")
+
+
+def add_arguments(parser) -> None:
+    add_shape_arguments(parser)
+    parser.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
+    parser.add_argument("--buckets", default=None,
+                        help="tokens-per-expert buckets (default 16,32,...,2048 on a GPU; 16 on the CPU)")
+    parser.add_argument("--formats", default="bf16,nvfp4", help="weight formats: bf16,nvfp4")
+    parser.add_argument("--activations", default="bf16", help="GEMM1 activation formats: bf16,nvfp4")
+    parser.add_argument("--gemms", default="gemm1,gemm2", help="which GEMMs: gemm1 (SwiGLU), gemm2")
+    parser.add_argument("--out-dir", default=None, help="folder for <device>.json (default: $MOE_EP_CONFIG_DIR, "
+                        "else the package's moe_ep/kernels/configs)")
+    parser.add_argument("--max-seconds-per-shape", type=float, default=60.0,
+                        help="stop trying configs for a shape after this long (at least one is tried)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop starting new shapes after this long (rerun to resume)")
+    parser.add_argument("--rep-ms", type=float, default=25.0, help="measuring time per config (GPU)")
+    parser.add_argument("--force", action="store_true", help="re-tune shapes already in the output file")
+    parser.add_argument("--report", default=None, help="also write every timing to this JSON file")
+
+
+def _kernels():
+    import importlib
+    try:  # (the package exports a function of the same name: import the module itself)
+        gg = importlib.import_module("moe_ep.kernels.grouped_gemm")
+        tuning = importlib.import_module("moe_ep.kernels.tuning")
+    except ImportError as e:
+        raise MoEEpConfigError(f"grouped GEMM kernels = missing ({e}); allowed: a build with "
+                               "moe_ep.kernels.grouped_gemm") from None
+    for name in ("grouped_gemm_configs", "prune_grouped_gemm_configs", "shape_class", "device_name",
+                 "config_dirs", "m_bucket", "tuned_gemm_config"):
+        if not hasattr(tuning, name):
+            raise MoEEpConfigError(f"moe_ep.kernels.tuning.{name} = missing; allowed: the tuned-config API")
+    return gg, tuning
+
+
+def config_dict(cfg) -> dict:
+    """A ``triton.Config`` as the tuned-config file stores it."""
+    kw = cfg.kwargs
+    return {"BLOCK_M": int(kw["BLOCK_M"]), "BLOCK_N": int(kw["BLOCK_N"]), "BLOCK_K": int(kw["BLOCK_K"]),
+            "SWAP_AB": bool(kw["SWAP_AB"]), "GROUP_M": int(kw.get("GROUP_M", 8)),
+            "num_warps": int(cfg.num_warps), "num_stages": int(cfg.num_stages)}
+
+
+@contextlib.contextmanager
+def forced_config(tuning, cfg: dict):
+    """Make the grouped GEMM launcher take ``cfg`` (through its tuned-config lookup) inside the block."""
+    orig = tuning.tuned_gemm_config
+    tuning.tuned_gemm_config = lambda *a, **k: dict(cfg)
+    try:
+        yield
+    finally:
+        tuning.tuned_gemm_config = orig
+
+
+def out_dir(args, tuning) -> str:
+    return args.out_dir or os.environ.get(getattr(tuning, "CONFIG_DIR_ENV", "MOE_EP_CONFIG_DIR")) or \
+        os.path.join(os.path.dirname(tuning.__file__), "configs")
+
+
+def shapes(preset, gemms, formats, activations, buckets) -> list[dict]:
+    """Every (GEMM, formats, bucket) to tune for ``preset``."""
+    H, I = preset.hidden, preset.intermediate
+    out = []
+    for g in gemms:
+        n, k, swiglu = (I, H, True) if g == "gemm1" else (H, I, False)
+        for wf in formats:
+            for xf in (activations if g == "gemm1" else ["bf16"]):
+                for m in buckets:
+                    out.append(dict(preset=preset.name, gemm=g, N=n, K=k, swiglu=swiglu, x_fp4=xf == "nvfp4",
+                                    w_fp4=wf == "nvfp4", bucket=m, G=preset.local_experts))
+    return out
+
+
+def _operands(s, dev):
+    """Ragged x (every expert ``bucket`` rows), weights and offsets for shape ``s``."""
+    from ..kernels.nvfp4 import nvfp4_global_scale, quantize_nvfp4
+    G, N, K, m = s["G"], s["N"], s["K"], s["bucket"]
+    gen = torch.Generator(device=dev).manual_seed(0)  # generated on the device: weights can be GBs
+    w = (torch.randn(G, 2 * N if s["swiglu"] else N, K, generator=gen, device=dev) * K ** -0.5).to(torch.bfloat16)
+    x = torch.randn(G * m, K, generator=gen, device=dev).to(torch.bfloat16)
+    if s["w_fp4"]:
+        w = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
+    if s["x_fp4"]:
+        x = quantize_nvfp4(x)
+    offsets = torch.arange(0, G * m + 1, m, dtype=torch.int32, device=dev)
+    return x, w, offsets
+
+
+def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev) -> dict:
+    """Time each candidate config of shape ``s`` until ``budget_s``; the best and every timing."""
+    cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(),
+                                              {"M_BUCKET": tuning.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
+                                               "G": s["G"], "SWIGLU": s["swiglu"]}, SWIGLU=s["swiglu"])
+    x, w, offsets = _operands(s, dev)
+    fn = lambda: gg.grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])  # noqa: E731
+    t_start, timings, best = time.perf_counter(), [], None
+    for i, c in enumerate(cands):
+        if i and time.perf_counter() - t_start > budget_s:
+            break
+        cfg = config_dict(c)
+        with forced_config(tuning, cfg):
+            try:
+                fn()  # compiles
+                sync()
+                launched = getattr(gg, "last_launch", {}).get("config")
+                if launched is not None and {k: launched.get(k) for k in CONFIG_KEYS} != cfg:
+                    raise MoEEpConfigError(f"grouped_gemm launched {launched}; allowed: the forced config {cfg}")
+                t = time_call(fn, rep_ms=rep_ms, warmup_ms=5.0)
+            except MoEEpConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001  (a config that cannot compile or run here is skipped)
+                timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+                continue
+        timings.append(dict(config=cfg, us=t * 1e6))
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return dict(best=best[1] if best else None, best_us=best[0] * 1e6 if best else None, tried=len(timings),
+                candidates=len(cands), timings=timings, seconds=time.perf_counter() - t_start)
+
+
+def _load(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MoEEpConfigError(f"tuned-config file {path}: {e}; allowed: a JSON object (fix or remove it)") from e
+    if not isinstance(table, dict):
+        raise MoEEpConfigError(f"tuned-config file {path} = {type(table).__name__}; allowed: a JSON object")
+    return table
+
+
+def run(args) -> int:
+    gg, tuning = _kernels()
+    names = name_list(args.presets or args.preset, "--presets", PRESETS)
+    presets = [preset_from_args(args, n) for n in names]
+    buckets = int_list(args.buckets or ("16" if INTERPRETER else "16,32,64,128,256,512,1024,2048"), "--buckets")
+    todo = [s for p in presets for s in shapes(p, name_list(args.gemms, "--gemms", GEMMS),
+                                               name_list(args.formats, "--formats", FORMATS),
+                                               name_list(args.activations, "--activations", FORMATS), buckets)]
+    folder = out_dir(args, tuning)
+    path = os.path.join(folder, tuning.device_name() + ".json")
+    dev = device()
+    print(f"tuning {len(todo)} shape(s) on {tuning.device_name()} into {path}")
+    if os.path.abspath(folder) not in [os.path.abspath(d) for d in tuning.config_dirs()]:
+        print(f"note: the kernels do not search {folder}; run them with MOE_EP_CONFIG_DIR={folder}")
+    t0, rows, report, stopped = time.perf_counter(), [], [], False
+    with progress("tune", len(todo)) as advance:
+        for s in todo:
+            key = tuning.shape_class(s["N"], s["K"], s["x_fp4"], s["w_fp4"], s["swiglu"])
+            label = f"{s['preset']} {s['gemm']} {key} m={s['bucket']}"
+            table = _load(path)  # re-read: another process may have added shapes
+            if not args.force and str(s["bucket"]) in table.get(key, {}):
+                rows.append([s["preset"], key, s["bucket"], "skipped (already tuned)", "", ""])
+                advance(label + " (skip)")
+                continue
+            if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+                stopped = True
+                rows.append([s["preset"], key, s["bucket"], "not tuned (--max-seconds)", "", ""])
+                advance(label + " (time budget spent)")
+                continue
+            r = tune_shape(s, gg, tuning, args.max_seconds_per_shape, args.rep_ms, dev)
+            report.append(dict(shape=s, shape_class=key, **r))
+            if r["best"] is not None:
+                table = _load(path)
+                table.setdefault(key, {})[str(s["bucket"])] = r["best"]
+                write_json(path, table)
+            best = r["best"]
+            rows.append([s["preset"], key, s["bucket"],
+                         "none ran: " + next((t["error"] for t in r["timings"] if "error" in t), "") if best is None else
+                         f"{best['BLOCK_M']}x{best['BLOCK_N']}x{best['BLOCK_K']} swap={int(best['SWAP_AB'])} "
+                         f"w{best['num_warps']} s{best['num_stages']}",
+                         "-" if r["best_us"] is None else f"{r['best_us']:.1f}", f"{r['tried']}/{r['candidates']}"])
+            advance(label)
+    print_table(f"tuned configs -> {path}", ["preset", "shape class", "bucket", "best config", "us", "tried"], rows)
+    if args.report:
+        write_json(args.report, dict(device=tuning.device_name(), file=path, shapes=report))
+    if stopped:
+        print("time budget spent: rerun the same command to tune the remaining shapes")
+    failed = [r for r in report if r["best"] is None]
+    if failed:
+        print(f"{len(failed)} shape(s) had no config that ran")
+    return 1 if failed else 0

@@ -1,0 +1,112 @@
+"""Expert compute per (algorithm, layout): a DispatchResult in, the combine's input out (DESIGN.md's table).
+
+* LL EXPERT_MAJOR — masked ``expert_mlp`` on ``[L, R*T, H]``; routing weights are applied by combine.
+* LL RANK_MAJOR, HT FLAT — bridge (route, permute) + ragged ``expert_mlp`` + weighted unpermute-reduce.
+* HT EXPERT_MAJOR — ragged ``expert_mlp`` on the transport's offsets, each slot scaled by its weight.
+
+Nothing here syncs with the host: counts, offsets and the number of valid rows stay on the device.
+
+NVFP4 activations: received ``NvFp4Tensor`` tokens keep their source rank's global scale per row. The
+GEMM takes one global scale for its input, so the valid rows are dequantized (fp32) and quantized again
+with a scale computed here, on the device (for the bridge layouts in the same pass as the gather).
+Tokens that arrive as bf16 are quantized the same way when ``activation_format`` is NVFP4.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import Algorithm, EpConfig, Format, Layout
+from .kernels import expert_mlp
+from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
+from .kernels.nvfp4 import NvFp4Tensor, dequantize_nvfp4, quantize_nvfp4
+from .transports.base import DispatchResult
+from .weights import ExpertWeights
+
+
+def _rows(tokens, valid: torch.Tensor | None):
+    """Tokens as a float tensor ``[..., H]``; NVFP4 tokens dequantized with their per-row global scale.
+    ``valid`` (bool, ``tokens.shape[:-1]``) zeroes the garbage rows so they cannot skew a new scale."""
+    if isinstance(tokens, NvFp4Tensor):
+        H = tokens.shape[-1]
+        n = tokens.data.numel() // (H // 2)
+        flat = NvFp4Tensor(tokens.data.reshape(n, H // 2), tokens.scales.reshape(n, H // 16),
+                           tokens.global_scale.reshape(-1), torch.Size((n, H)))
+        x = dequantize_nvfp4(flat, torch.float32).reshape(tokens.shape)
+    else:
+        x = tokens
+    if valid is not None:
+        x = torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x
+
+
+def _needs_rows(tokens, nvfp4: bool) -> bool:
+    return isinstance(tokens, NvFp4Tensor) or nvfp4
+
+
+def ll_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
+    """``[L, R*T, H]`` -> ``[L, R*T, H]``: masked MLP, rows past ``expert_counts`` untouched."""
+    x = d.tokens
+    if _needs_rows(x, nvfp4):
+        L, RT = x.shape[0], x.shape[1]
+        valid = torch.arange(RT, device=w.device)[None, :] < d.expert_counts[:, None]
+        x = _rows(x, valid)
+        x = quantize_nvfp4(x, check_finite=False) if nvfp4 else x.to(torch.bfloat16)
+    return expert_mlp(x, w.w13, w.w2, counts=d.expert_counts)
+
+
+def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_rows: torch.Tensor,
+             rows_per_group: int, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
+    """Route ``[M, K]`` picks, permute rows, ragged MLP, weighted unpermute-reduce -> ``[M, H]``."""
+    K = topk_idx.shape[-1]
+    M = topk_idx.numel() // K
+    route = route_experts(topk_idx.reshape(M, K), w.num_local_experts, valid_rows=valid_rows,
+                          rows_per_group=rows_per_group)
+    H = tokens.shape[-1]
+    if _needs_rows(tokens, nvfp4):
+        r = torch.arange(M, device=w.device)
+        valid = (r % rows_per_group) < valid_rows[r // rows_per_group]
+        x = _rows(tokens, valid.reshape(tokens.shape[:-1])).reshape(M, H)
+        xs = permute_rows(x, route, quantize=True) if nvfp4 else permute_rows(x.to(torch.bfloat16), route)
+    else:
+        xs = permute_rows(tokens.reshape(M, H), route)
+    y = expert_mlp(xs, w.w13, w.w2, offsets=route.offsets)
+    return unpermute_reduce(y, route, topk_weights.reshape(M, K))
+
+
+def ll_rank_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
+    """``[R, T, H]`` + local ``topk_idx [R, T, K]`` -> ``[R, T, H]`` (weighted sum over local picks)."""
+    R, T = d.topk_idx.shape[0], d.topk_idx.shape[1]
+    out = _bridged(d.tokens, d.topk_idx, d.topk_weights, d.src_rank_counts, T, w, nvfp4)
+    return out.reshape(R, T, -1)
+
+
+def ht_flat(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
+    """``[S, H]`` + local ``topk_idx [S, K]`` -> ``[S, H]`` (weighted sum over local picks; rows past num_recv 0)."""
+    S = d.topk_idx.shape[0]
+    return _bridged(d.tokens, d.topk_idx, d.topk_weights, d.num_recv.reshape(1), max(S, 1), w, nvfp4)
+
+
+def ht_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
+    """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
+    offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
+    x = d.tokens
+    if _needs_rows(x, nvfp4):
+        valid = torch.arange(x.shape[0], device=w.device) < offsets[-1]
+        x = _rows(x, valid)
+        x = quantize_nvfp4(x, check_finite=False) if nvfp4 else x.to(torch.bfloat16)
+    return expert_mlp(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float())
+
+
+_COMPUTE = {
+    (Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR): ll_expert_major,
+    (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR): ll_rank_major,
+    (Algorithm.HIGH_THROUGHPUT, Layout.FLAT): ht_flat,
+    (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR): ht_expert_major,
+}
+
+
+def expert_compute(config: EpConfig, d: DispatchResult, weights: ExpertWeights) -> torch.Tensor:
+    """The combine input for ``config``'s algorithm/layout from dispatch's result (see the module doc)."""
+    fn = _COMPUTE[(config.algorithm, config.layout)]
+    return fn(d, weights, config.activation_format is Format.NVFP4)

@@ -1,0 +1,244 @@
+"""The layout bridge: from per-row expert picks to an expert-sorted (ragged) buffer and back.
+
+Given ``topk_idx [M, K]`` of *local* expert ids (-1, or any id outside ``[0, L)``, = "not here"):
+
+* :func:`route_experts` — per-expert ``counts [L]``, ``offsets [L+1]`` (exclusive scan) and a slot for every
+  valid pick ``(row, k)``. Within an expert, slots follow ascending ``(row, k)``: one program per expert walks
+  the flattened ids in order keeping a running count (an exclusive prefix over a one-hot), so the order is
+  fixed by construction, never by atomics.
+* :func:`permute_rows` — gather rows into the expert-sorted buffer ``[M*K, H]`` (or quantize them to NVFP4
+  on the way, through ``gather_quantize_nvfp4``).
+* :func:`unpermute_reduce` — ``out[row] = sum_k w[row, k] * y[slot(row, k)]`` in fp32; rows without a
+  local pick get zeros.
+
+Everything stays on the device: buffers are sized to the static bound ``M*K`` and the number of valid
+slots is ``offsets[L]``, a device scalar. Rows past the valid slots are left untouched (garbage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import check
+from ..triton_runtime import INTERPRETER
+from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4
+
+_ROUTE_BLOCK = 1024  # ids per step of one expert's walk
+
+
+@dataclass
+class Route:
+    """Where every pick of ``topk_idx [M, K]`` lands in the expert-sorted buffer (all int32, on device)."""
+
+    counts: torch.Tensor       # [L] valid picks per local expert
+    offsets: torch.Tensor      # [L+1] first slot of each expert; offsets[L] = number of valid slots
+    slot: torch.Tensor         # [M, K] slot of (row, k), -1 when the pick is not here
+    row_of_slot: torch.Tensor  # [M*K] source row of each slot, -1 past offsets[L]
+
+
+@triton.jit
+def _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr):
+    """Local ids of flat picks i, -1 where out of range, not local, or on a row past its group's count."""
+    ids = tl.load(idx_ptr + i, mask=i < N, other=-1).to(tl.int32)
+    ok = (ids >= 0) & (ids < L)
+    if HAS_VALID:
+        row = i // K
+        nvalid = tl.load(valid_ptr + row // ROWS_PER_GROUP, mask=i < N, other=0)
+        ok = ok & ((row % ROWS_PER_GROUP) < nvalid)
+    return tl.where(ok, ids, -1)
+
+
+@triton.jit
+def _route_kernel(idx_ptr, valid_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr, N, K,
+                  ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
+    # program e < L owns expert e; program L writes the total and the "not here" markers
+    e = tl.program_id(0)
+    below = tl.zeros((), tl.int32)
+    here = tl.zeros((), tl.int32)
+    start = 0
+    while start < N:  # (while: the interpreter cannot take a runtime-bounded range)
+        i = start + tl.arange(0, BLOCK)
+        start += BLOCK
+        ids = _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID)
+        below += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), axis=0)
+        here += tl.sum((ids == e).to(tl.int32), axis=0)
+    tl.store(offsets_ptr + e, below)
+    if e < L:
+        tl.store(counts_ptr + e, here)
+        run = below
+        start = 0
+        while start < N:
+            i = start + tl.arange(0, BLOCK)
+            start += BLOCK
+            ids = _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID)
+            mine = (ids == e).to(tl.int32)
+            pos = run + tl.cumsum(mine, axis=0) - mine  # exclusive prefix: earlier picks of e
+            hit = mine != 0
+            tl.store(slot_ptr + i, pos, mask=hit)
+            tl.store(row_of_slot_ptr + pos, i // K, mask=hit)
+            run += tl.sum(mine, axis=0)
+    else:
+        start = 0
+        while start < N:
+            i = start + tl.arange(0, BLOCK)
+            start += BLOCK
+            ids = _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID)
+            tl.store(slot_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=(i < N) & (ids < 0))
+            tl.store(row_of_slot_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=(i < N) & (i >= below))
+
+
+def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows: torch.Tensor | None = None,
+                  rows_per_group: int | None = None) -> Route:
+    """Histogram, offsets and slots of ``topk_idx [M, K]`` (local ids; anything outside [0, L) is skipped).
+
+    ``valid_rows`` (int tensor ``[G]``, on the device) with ``rows_per_group``: row ``r`` is used only when
+    ``r % rows_per_group < valid_rows[r // rows_per_group]`` (e.g. RANK_MAJOR's ``src_rank_counts`` with
+    ``T``, or FLAT's ``num_recv`` with ``S``); rows past a count are ignored whatever ids they hold.
+    No host sync.
+    """
+    check(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2, "topk_idx.shape",
+          tuple(getattr(topk_idx, "shape", ())), "[M, K]")
+    check(topk_idx.dtype in (torch.int32, torch.int64), "topk_idx.dtype", topk_idx.dtype, "torch.int32, torch.int64")
+    check(num_local_experts > 0, "num_local_experts", num_local_experts, "> 0")
+    M, K = topk_idx.shape
+    N, L, dev = M * K, num_local_experts, topk_idx.device
+    counts = torch.empty(L, dtype=torch.int32, device=dev)
+    offsets = torch.empty(L + 1, dtype=torch.int32, device=dev)
+    slot = torch.empty(M, K, dtype=torch.int32, device=dev)
+    row_of_slot = torch.empty(N, dtype=torch.int32, device=dev)
+    has_valid = valid_rows is not None
+    if has_valid:
+        check(rows_per_group is not None and rows_per_group > 0, "rows_per_group", rows_per_group,
+              "a positive int (with valid_rows)")
+        check(valid_rows.device == dev, "valid_rows.device", str(valid_rows.device), str(dev))
+        valid_rows = valid_rows.to(torch.int32).contiguous()
+    block = _ROUTE_BLOCK if not INTERPRETER else max(16, triton.next_power_of_2(max(N, 1)))
+    _route_kernel[(L + 1,)](topk_idx.contiguous(), valid_rows if has_valid else counts, counts, offsets, slot,
+                            row_of_slot, N, K, rows_per_group or 1, L, HAS_VALID=has_valid,
+                            BLOCK=min(block, 4096), num_warps=4)
+    return Route(counts, offsets, slot, row_of_slot)
+
+
+def _gather_configs():
+    if INTERPRETER:
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_H": 256})]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w)
+            for bm, bh, w in [(4, 1024, 4), (8, 512, 4), (16, 512, 8), (2, 2048, 8), (32, 256, 4)]]
+
+
+@triton.autotune(configs=_gather_configs(), key=["H"])
+@triton.jit
+def _gather_rows_kernel(x_ptr, row_ptr, total_ptr, out_ptr, N, H, stride_x,
+                        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_m = tl.program_id(0)
+    total = tl.load(total_ptr)
+    if pid_m * BLOCK_M < total:  # programs past the valid slots do nothing
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        live = (rows < N) & (rows < total)
+        src = tl.load(row_ptr + rows, mask=live, other=-1).to(tl.int64)
+        cmask = cols[None, :] < H
+        v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=(src >= 0)[:, None] & cmask, other=0)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=live[:, None] & cmask)
+
+
+def permute_rows(x: torch.Tensor, route: Route, *, nvfp4_global_scale=None, quantize: bool = False,
+                 out: torch.Tensor | None = None):
+    """Rows ``x[row_of_slot]`` into the expert-sorted buffer ``[M*K, H]`` (rows past ``offsets[L]`` untouched).
+
+    ``x [M, H]`` bf16 (or any float dtype). With ``quantize`` the buffer is an ``NvFp4Tensor`` quantized on
+    the way (``gather_quantize_nvfp4``; ``nvfp4_global_scale`` None = from all of x, on the device; rows
+    past the valid slots are all-zero codes).
+    """
+    check(x.dim() == 2, "x.dim()", x.dim(), "2 ([M, H])")
+    N = route.row_of_slot.shape[0]
+    if quantize:
+        if nvfp4_global_scale is None and x.numel() == 0:  # amax of nothing: the all-zero scale
+            nvfp4_global_scale = torch.ones((), dtype=torch.float32, device=x.device)
+        return gather_quantize_nvfp4(x, route.row_of_slot, nvfp4_global_scale, check_finite=False)
+    H = x.shape[1]
+    if out is None:
+        out = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    check(tuple(out.shape) == (N, H) and out.is_contiguous(), "out", tuple(out.shape), f"contiguous ({N}, {H})")
+    if N and H:
+        x2 = x if x.stride(1) == 1 else x.contiguous()
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        _gather_rows_kernel[grid](x2, route.row_of_slot, route.offsets[-1:], out, N, H, x2.stride(0))
+    return out
+
+
+def _reduce_configs():
+    if INTERPRETER:
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_H": 256})]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_H": bh}, num_warps=w)
+            for bm, bh, w in [(4, 1024, 4), (8, 512, 4), (16, 256, 4), (2, 2048, 8), (8, 1024, 8)]]
+
+
+@triton.autotune(configs=_reduce_configs(), key=["H", "K"])
+@triton.jit
+def _unpermute_reduce_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, M, H, K: tl.constexpr, stride_y, HAS_W: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < M
+    cmask = cols[None, :] < H
+    acc = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
+    for k in tl.static_range(K):  # fixed k order: the sum is deterministic
+        s = tl.load(slot_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int64)
+        hit = s >= 0
+        v = tl.load(y_ptr + s[:, None] * stride_y + cols[None, :], mask=hit[:, None] & cmask, other=0.0)
+        v = v.to(tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + rows * K + k, mask=rmask & hit, other=0.0).to(tl.float32)
+            v = v * tl.where(hit, w, 0.0)[:, None]
+        acc += v
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask)
+
+
+def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None = None, *,
+                     out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out[row] = sum_k w[row, k] * y[slot(row, k)]`` in fp32 (``w`` = 1 when ``weights`` is None).
+
+    ``y [>= offsets[L], H]`` the expert outputs in slot order, ``weights [M, K]``; returns ``[M, H]``
+    (``out_dtype``, or written into ``out``). Rows with no local pick get zeros. No host sync.
+    """
+    M, K = route.slot.shape
+    H = y.shape[-1]
+    y2 = y.reshape(-1, H)
+    if out is None:
+        out = torch.empty(M, H, dtype=out_dtype, device=y.device)
+    check(tuple(out.shape) == (M, H) and out.is_contiguous(), "out", tuple(out.shape), f"contiguous ({M}, {H})")
+    if weights is not None:
+        check(tuple(weights.shape) == (M, K), "weights.shape", tuple(weights.shape), f"({M}, {K})")
+        weights = weights.contiguous()
+    if M and H:
+        y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        _unpermute_reduce_kernel[grid](y2, route.slot, weights if weights is not None else y2, out, M, H, K,
+                                       y2.stride(0), HAS_W=weights is not None)
+    return out
+
+
+__all__ = ["Route", "route_experts", "permute_rows", "unpermute_reduce", "NvFp4Tensor"]
+
+
+def _compile_checks():
+    """(raw jit function, signature, constexprs) per kernel variant, for ``triton.compile`` on sm_90/sm_100
+    without a GPU (tests/test_bridge_compile.py)."""
+    route = {"idx_ptr": "*i64", "valid_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
+             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", "N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32",
+             "L": "i32", "HAS_VALID": "constexpr", "BLOCK": "constexpr"}
+    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "H": "i32",
+              "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
+           "K": "constexpr", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    checks = [(_route_kernel, route, {"HAS_VALID": v, "BLOCK": _ROUTE_BLOCK}) for v in (False, True)]
+    checks.append((_gather_rows_kernel.fn, gather, {"BLOCK_M": 4, "BLOCK_H": 1024}))
+    checks += [(_unpermute_reduce_kernel.fn, red, {"K": 8, "HAS_W": w, "BLOCK_M": 4, "BLOCK_H": 1024})
+               for w in (False, True)]
+    return checks

@@ -1,0 +1,196 @@
+"""Hypothesis strategies for moe-ep's kernels and layer, shared by the property tests and ``moe-ep fuzz``.
+
+A strategy draws a *case*: a small dict of parameters (shapes, value kind, formats, a seed), never tensors,
+so a counterexample prints in a line and reproduces anywhere. ``make_*`` helpers build the tensors from a
+case. Sizes are bounded by a :class:`Bounds` (``TINY`` for the Triton interpreter, ``GPU`` for fuzzing on
+a device). :func:`register_profiles` registers the ``ci`` and ``fuzz`` hypothesis profiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Largest sizes a strategy draws: rows (tokens), K and N in 16-blocks, experts, top-k."""
+
+    rows: int
+    k16: int
+    n16: int
+    experts: int
+    top_k: int
+
+
+TINY = Bounds(rows=8, k16=4, n16=3, experts=4, top_k=3)
+"""For the Triton interpreter (CPU): every case runs in about a second."""
+
+GPU = Bounds(rows=512, k16=96, n16=64, experts=16, top_k=8)
+"""For fuzzing on a GPU: real-model K (up to 1536) and hundreds of rows."""
+
+BOUNDS = {"tiny": TINY, "gpu": GPU}
+
+VALUE_KINDS = ("normal", "huge", "tiny", "zeros", "zero_rows", "midpoints", "saturating")
+MIDPOINTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]  # e2m1 rounding midpoints in units of gs / s
+
+
+def register_profiles() -> None:
+    """The ``ci`` (few examples) and ``fuzz`` (thousands) profiles, as in ``tests/conftest.py``."""
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                        HealthCheck.filter_too_much])
+    settings.register_profile("ci", max_examples=12, derandomize=True, **common)
+    settings.register_profile("fuzz", max_examples=2000, **common)
+
+
+def make_values(shape, kind: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values of a kind: normal, huge, tiny, exact zeros, zero rows, e2m1 midpoints, saturating blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if kind == "huge":
+        x = x.clamp(-6, 6) * (1e4 if dtype == torch.float16 else 1e30)
+    elif kind == "tiny":
+        x = x * (1e-4 if dtype == torch.float16 else 1e-30)
+    elif kind == "zeros":
+        x = x * (torch.rand(shape, generator=g) < 0.5)
+    elif kind == "zero_rows":
+        x = x * (torch.rand(tuple(shape[:-1]) + (1,), generator=g) < 0.5)
+    elif kind == "midpoints" and x.numel():
+        mids = torch.tensor(MIDPOINTS + [6.0])
+        x = mids[torch.randint(0, len(mids), tuple(shape), generator=g)] * torch.sign(torch.randn(shape, generator=g))
+        x.view(-1, 16)[:, 0] = 6.0
+    elif kind == "saturating" and x.numel():
+        x = x * 1e3
+        x.view(-1, 16)[:, 3] = 7e3
+    return x.to(dtype)
+
+
+_seeds = st.integers(0, 2**31 - 1)
+_dtypes = st.sampled_from(["bfloat16", "float16", "float32"])
+
+
+def quant_cases(b: Bounds = TINY):
+    """NVFP4 quantize/dequantize/gather input: ``rows x K`` values of a kind, dtype, given or computed scale."""
+    return st.fixed_dictionaries(dict(
+        rows=st.integers(0, b.rows), k=st.integers(1, b.k16).map(lambda c: 16 * c),
+        kind=st.sampled_from(VALUE_KINDS), dtype=_dtypes, given_scale=st.booleans(), gather=st.integers(0, b.rows),
+        seed=_seeds))
+
+
+@st.composite
+def _counts(draw, G: int, max_rows: int) -> list[int]:
+    mode = draw(st.sampled_from(["random", "one-expert", "empty"]))
+    if mode == "one-expert":
+        c = [0] * G
+        c[draw(st.integers(0, G - 1))] = max_rows
+        return c
+    if mode == "empty":
+        return [0] * G
+    return [draw(st.integers(0, max_rows)) for _ in range(G)]
+
+
+@st.composite
+def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
+    """A grouped GEMM (or, with ``mlp``, expert MLP) problem: experts, sizes, per-expert counts, layout
+    (masked or ragged), operand formats, SwiGLU / row-scale epilogues, padding rows, value scale."""
+    G = draw(st.integers(1, b.experts))
+    return dict(
+        G=G, K=16 * draw(st.integers(1, b.k16)), N=16 * draw(st.integers(1, b.n16)),
+        counts=draw(_counts(G, b.rows)), ragged=draw(st.booleans()),
+        x_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
+        swiglu=True if mlp else draw(st.booleans()), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 3)),
+        scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
+        seed=draw(_seeds))
+
+
+def make_gemm_operands(c: dict, dev, *, n_rows: int | None = None):
+    """(x bf16, index kwargs, valid-row mask, rows shape) of a gemm case; x is masked ``[G, M_max, K]`` or
+    ragged ``[S, K]`` with ``pad`` rows that belong to no expert."""
+    G, counts, K = c["G"], c["counts"], c["K"]
+    gen = torch.Generator().manual_seed(c["seed"])
+    if c["ragged"]:
+        offs = [0]
+        for n in counts:
+            offs.append(offs[-1] + n)
+        S = offs[-1] + c["pad"]
+        valid = torch.zeros(S, dtype=torch.bool)
+        valid[:offs[-1]] = True
+        idx = dict(offsets=torch.tensor(offs, dtype=torch.int32, device=dev))
+        rows = (S,)
+    else:
+        M_max = max(counts + [0]) + c["pad"]
+        valid = torch.arange(M_max)[None, :] < torch.tensor(counts)[:, None]
+        idx = dict(counts=torch.tensor(counts, dtype=torch.int64, device=dev))
+        rows = (G, M_max)
+    x = torch.randn(*rows, K, generator=gen) * c["scale"]
+    if c["zero_frac"]:
+        x = x * (torch.rand(x.shape, generator=gen) >= c["zero_frac"])
+    return x.to(torch.bfloat16).to(dev), idx, valid.to(dev), rows
+
+
+@st.composite
+def route_cases(draw, b: Bounds = TINY):
+    """Local expert picks ``[M, K]``: random, all on one expert, all invalid, or with other ranks' ids;
+    sometimes with per-group valid-row counts (RANK_MAJOR / FLAT)."""
+    M = draw(st.integers(0, 3 * b.rows))
+    group = draw(st.integers(1, M)) if M and draw(st.booleans()) else None
+    return dict(L=draw(st.integers(1, b.experts)), K=draw(st.integers(1, b.top_k)), M=M,
+                kind=draw(st.sampled_from(["random", "one_expert", "all_invalid", "out_of_range"])),
+                group=group, H=16 * draw(st.integers(1, b.k16)), weighted=draw(st.booleans()),
+                dtype=draw(st.sampled_from(["int32", "int64"])), seed=draw(_seeds))
+
+
+def make_route(c: dict):
+    """(topk_idx [M, K] on the CPU, valid_rows or None) of a route case."""
+    M, K, L = c["M"], c["K"], c["L"]
+    g = torch.Generator().manual_seed(c["seed"])
+    if c["kind"] == "random":
+        idx = torch.randint(-1, L, (M, K), generator=g)
+    elif c["kind"] == "one_expert":
+        idx = torch.full((M, K), -1)
+        idx[:, 0] = c["seed"] % L
+    elif c["kind"] == "all_invalid":
+        idx = torch.full((M, K), -1)
+    else:
+        idx = torch.randint(-1, 2 * L, (M, K), generator=g)
+    valid = None
+    if c["group"]:
+        valid = torch.randint(0, c["group"] + 1, (-(-M // c["group"]),), generator=g)
+    return idx.to(getattr(torch, c["dtype"])), valid
+
+
+LAYER_LAYOUTS = [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]
+
+
+@st.composite
+def layer_cases(draw, b: Bounds = TINY):
+    """A world-size-1 layer problem: experts, top-k, sizes, tokens (0 allowed), algorithm/layout, weight
+    and activation formats, routing kind."""
+    E = draw(st.integers(1, b.experts))
+    af = draw(st.sampled_from(["bf16", "nvfp4"]))
+    return dict(E=E, K=draw(st.integers(1, min(E, b.top_k))),
+                H=(32 if af == "nvfp4" else 16) * draw(st.integers(1, max(1, b.k16 // (2 if af == "nvfp4" else 1)))),
+                I=16 * draw(st.integers(1, b.n16)), B=draw(st.integers(0, b.rows)),
+                layout=draw(st.sampled_from(LAYER_LAYOUTS)), wf=draw(st.sampled_from(["bf16", "nvfp4"])), af=af,
+                routing=draw(st.sampled_from(["random", "some_missing", "one_expert"])), seed=draw(_seeds))
+
+
+def make_layer_inputs(c: dict):
+    """(x [B, H] bf16, topk_idx [B, K] distinct global ids or -1, topk_weights [B, K], w13, w2) on the CPU."""
+    E, K, H, I, B = c["E"], c["K"], c["H"], c["I"], c["B"]
+    g = torch.Generator().manual_seed(c["seed"])
+    x = torch.randn(B, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]) if B else torch.zeros(0, K)
+    idx = idx.long()
+    if c["routing"] == "some_missing" and B:
+        idx[torch.rand(B, K, generator=g) < 0.3] = -1
+    elif c["routing"] == "one_expert" and B:
+        idx[:, :] = -1
+        idx[:, 0] = c["seed"] % E
+    wts = torch.rand(B, K, generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=g) * I ** -0.5
+    return x, idx, wts, w13, w2

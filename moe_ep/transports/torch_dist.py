@@ -1,0 +1,294 @@
+"""The portable transport: dispatch/combine over torch.distributed ``all_to_all_single``.
+
+Works with any process group (gloo on CPU, nccl on GPU, gloo with CUDA tensors staged through host
+memory) and with no group at all (world size 1: no collectives, no host sync, CUDA-graph capturable).
+
+How a step goes (world size R > 1):
+
+1. dispatch: every token is sent once to each rank owning one of its picks (ascending token order per
+   destination), with its K ids made local to that rank (-1 elsewhere) and its K weights. Per-destination
+   token and pick counts are exchanged first; their split sizes are needed on the host, so **each dispatch
+   and each combine costs one device->host sync** on this transport (accepted: it is the portable one).
+2. The receiver holds the rows *compact* (source-rank segments, token order within), and builds the
+   layout its config asks for (DESIGN.md's contract) from them on the device.
+3. combine: RANK_MAJOR / FLAT / HT EXPERT_MAJOR send one pre-reduced row per received token back and the
+   owner sums them in fp32; LL EXPERT_MAJOR sends one row per pick and the owner applies the routing
+   weights (the receive side), in fp32.
+
+NVFP4 activations: dispatch quantizes with the rank's own global scale (computed on the device) and
+ships packed codes + e4m3 scales + that scale; the received ``tokens`` are an ``NvFp4Tensor`` whose
+``global_scale`` holds one value per row (shape ``tokens.shape[:-1]``, each row keeps its source's scale).
+
+Buffers are allocated once per transport (at their largest size) and reused; the tensors a dispatch
+returns are views of them, valid until the next dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import Algorithm, EpConfig, Format, Layout
+from ..errors import MoEEpConfigError
+from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
+from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
+from ..reference import global_scale_from_amax
+from ..triton_runtime import device as kernel_device
+from .base import DispatchResult
+
+
+def group_rank_world(group) -> tuple[int, int]:
+    """(rank, world size) of ``group``; (0, 1) when torch.distributed is not initialized and group is None."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class TorchDistTransport:
+    """Dispatch/combine for one :class:`EpConfig` over ``group`` (see the module docstring)."""
+
+    name = "torch"
+
+    def __init__(self, config: EpConfig, group=None, *, device: torch.device | None = None):
+        self.config, self.group = config, group
+        self.rank, self.world = group_rank_world(group)
+        self.L = config.local_experts(self.world)
+        self.device = torch.device(device) if device is not None else kernel_device()
+        self.nvfp4 = config.activation_format is Format.NVFP4
+        self.stage = False
+        if self.world > 1:
+            backend = dist.get_backend(group)
+            if self.device.type == "cuda" and backend != "nccl":
+                self.stage = True  # e.g. gloo: CUDA tensors go through host memory
+            elif self.device.type == "cpu" and backend == "nccl":
+                raise MoEEpConfigError("transport group backend = 'nccl' with CPU tensors; allowed: gloo on CPU")
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._state = None
+
+    def _buf(self, name: str, shape, dtype) -> torch.Tensor:
+        """A persistent buffer (allocated once at this size, zeroed so garbage rows stay finite)."""
+        b = self._bufs.get(name)
+        if b is None or tuple(b.shape) != tuple(shape) or b.dtype != dtype:
+            b = self._bufs[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return b
+
+    # ---- the exchange ---------------------------------------------------------------------------------
+    def _a2a(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], name: str) -> torch.Tensor:
+        width = send.shape[1]
+        rows = self.config.max_tokens_per_rank * self.world * max(self.config.top_k, 1)
+        out = self._buf(name, (rows, width), send.dtype)[:sum(recv_splits)]
+        if self.stage:
+            host = torch.empty(out.shape, dtype=out.dtype)
+            dist.all_to_all_single(host, send.cpu(), recv_splits, send_splits, group=self.group)
+            out.copy_(host)
+        else:
+            dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
+        return out
+
+    def _pack(self, x, q, rows: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Byte rows: token (bf16, or NVFP4 codes+scales+global scale), K int32 ids, K fp32 weights."""
+        parts = []
+        if q is None:
+            parts.append(x[rows].view(torch.uint8))
+        else:
+            gs = q.global_scale.reshape(1).expand(rows.shape[0]).reshape(-1, 1)
+            parts += [q.data[rows], q.scales[rows].view(torch.uint8), gs.contiguous().view(torch.uint8)]
+        parts += [ids.to(torch.int32).view(torch.uint8), w.float().contiguous().view(torch.uint8)]
+        return torch.cat(parts, dim=1)
+
+    def _unpack_into_compact(self, recv: torch.Tensor, n: int) -> None:
+        H, K = self.config.hidden_size, self.config.top_k
+        c, o = self._compact(), 0
+
+        def take(nbytes, dtype):
+            nonlocal o
+            v = recv[:, o:o + nbytes].clone(memory_format=torch.contiguous_format).view(dtype)  # aligned copy
+            o += nbytes
+            return v
+        if self.nvfp4:
+            c["data"][:n] = take(H // 2, torch.uint8)
+            c["scales"][:n] = take(H // 16, torch.uint8)
+            c["gs"][:n] = take(4, torch.float32).reshape(-1)
+        else:
+            c["tok"][:n] = take(2 * H, torch.bfloat16)
+        c["ids"][:n] = take(4 * K, torch.int32).long()
+        c["w"][:n] = take(4 * K, torch.float32)
+
+    def _compact(self) -> dict[str, torch.Tensor]:
+        """Received rows, compact: [R*T, ...] (rows past the received count are stale)."""
+        H, K, M = self.config.hidden_size, self.config.top_k, self.config.max_tokens_per_rank * self.world
+        c = {"ids": self._buf("c_ids", (M, K), torch.int64), "w": self._buf("c_w", (M, K), torch.float32)}
+        if self.nvfp4:
+            c.update(data=self._buf("c_data", (M, H // 2), torch.uint8),
+                     scales=self._buf("c_scales", (M, H // 16), torch.uint8),
+                     gs=self._buf("c_gs", (M,), torch.float32))
+        else:
+            c["tok"] = self._buf("c_tok", (M, H), torch.bfloat16)
+        return c
+
+    # ---- dispatch -------------------------------------------------------------------------------------
+    def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchResult:
+        """Send tokens to the ranks owning their picks; returns the config's layout (module docstring)."""
+        x, B = hidden_states, hidden_states.shape[0]
+        q = None
+        if self.nvfp4:  # this rank's own global scale, on the device (amax 0 of no tokens -> scale 1)
+            amax = torch.cat([x.detach().abs().float().reshape(-1), x.new_zeros(1, dtype=torch.float32)]).amax()
+            q = quantize_nvfp4(x, global_scale_from_amax(amax), check_finite=False)
+        c = self._compact()
+        R, L = self.world, self.L
+        st = {"B": B, "topk_weights": topk_weights}
+        if R == 1:  # no exchange, no sync: the compact rows are this rank's tokens
+            if q is None:
+                c["tok"][:B] = x
+            else:
+                c["data"][:B], c["scales"][:B] = q.data, q.scales.view(torch.uint8)
+                c["gs"][:B] = q.global_scale
+            c["ids"][:B] = topk_idx
+            c["w"][:B] = topk_weights
+            n_total = torch.full((1,), B, dtype=torch.int64, device=self.device)
+            n_from = [B]
+        else:
+            idx = topk_idx.long()
+            owner = torch.where(idx >= 0, idx // L, -1)
+            hit = owner[:, :, None] == torch.arange(R, device=self.device)  # [B, K, R]
+            to_dst = hit.any(1)                                              # [B, R]
+            counts = torch.stack([to_dst.sum(0), hit.sum((0, 1))], 1)        # tokens, picks per dst
+            recv_counts = torch.empty_like(counts)
+            self._a2a_counts(counts, recv_counts)
+            host = torch.cat([counts, recv_counts], 1).tolist()  # the one host sync of this dispatch
+            send_tok, send_pick = [h[0] for h in host], [h[1] for h in host]
+            n_from, recv_pick = [h[2] for h in host], [h[3] for h in host]
+            d_idx, b_idx = to_dst.T.nonzero(as_tuple=True)  # dst-major, tokens ascending
+            local = torch.where(owner[b_idx] == d_idx[:, None], idx[b_idx] - d_idx[:, None] * L, -1)
+            send = self._pack(x, q, b_idx, local, topk_weights[b_idx])
+            recv = self._a2a(send, send_tok, n_from, "recv_dispatch")
+            self._unpack_into_compact(recv, sum(n_from))
+            n_total = torch.full((1,), sum(n_from), dtype=torch.int64, device=self.device)
+            st.update(to_dst=to_dst, owner=owner, send_tok=send_tok, send_pick=send_pick, recv_pick=recv_pick)
+        st["n_from"] = n_from
+        self._state = st
+        return self._layout(c, n_total, st)
+
+    def _a2a_counts(self, counts: torch.Tensor, out: torch.Tensor) -> None:
+        if self.stage:
+            host = torch.empty(out.shape, dtype=out.dtype)
+            dist.all_to_all_single(host, counts.cpu(), group=self.group)
+            out.copy_(host)
+        else:
+            dist.all_to_all_single(out, counts, group=self.group)
+
+    def _tokens(self, c, rows=None, shape=None):
+        """Compact tokens (bf16 or NvFp4Tensor with per-row global scale), optionally gathered/reshaped."""
+        H = self.config.hidden_size
+        if not self.nvfp4:
+            return c["tok"] if shape is None else c["tok"].view(*shape, H)
+        data, scales, gs = c["data"], c["scales"].view(torch.float8_e4m3fn), c["gs"]
+        shape = shape or (data.shape[0],)
+        return NvFp4Tensor(data.view(*shape, H // 2), scales.view(*shape, H // 16), gs.view(*shape),
+                           torch.Size((*shape, H)))
+
+    def _layout(self, c, n_total: torch.Tensor, st) -> DispatchResult:
+        cfg, R, L = self.config, self.world, self.L
+        T, K, H = cfg.max_tokens_per_rank, cfg.top_k, cfg.hidden_size
+        M = R * T
+        key = (cfg.algorithm, cfg.layout)
+        if key == (Algorithm.HIGH_THROUGHPUT, Layout.FLAT):
+            return DispatchResult(self._tokens(c), topk_idx=c["ids"], topk_weights=c["w"], num_recv=n_total[0])
+        if key == (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR):
+            rm = c if R == 1 else self._to_rank_major(c, st["n_from"])
+            counts = (torch.full((1,), st["B"], dtype=torch.int32, device=self.device) if R == 1  # graph-safe
+                      else torch.tensor(st["n_from"], dtype=torch.int32, device=self.device))
+            return DispatchResult(self._tokens(rm, shape=(R, T)), topk_idx=rm["ids"].view(R, T, K).to(torch.int32),
+                                  topk_weights=rm["w"].view(R, T, K), src_rank_counts=counts)
+        route = route_experts(c["ids"], L, valid_rows=n_total, rows_per_group=M)
+        st["route"] = route
+        if key == (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR):
+            S = M * K
+            slot = route.slot.reshape(-1).long()
+            w_slot = self._buf("em_w", (S + 1,), torch.float32)
+            w_slot.index_copy_(0, torch.where(slot >= 0, slot, S), c["w"].reshape(-1))
+            if self.nvfp4:
+                pc = {"data": permute_rows(c["data"], route, out=self._buf("em_data", (S, H // 2), torch.uint8)),
+                      "scales": permute_rows(c["scales"], route, out=self._buf("em_sc", (S, H // 16), torch.uint8)),
+                      "gs": c["gs"][route.row_of_slot.long().clamp(min=0)]}
+            else:
+                pc = {"tok": permute_rows(c["tok"], route, out=self._buf("em_tok", (S, H), torch.bfloat16))}
+            return DispatchResult(self._tokens(pc), expert_offsets=route.offsets[:-1].long(),
+                                  expert_counts=route.counts.long(), topk_weights=w_slot[:S],
+                                  num_recv=route.offsets[-1].long())
+        # LL EXPERT_MAJOR: expert e's rows packed at [e, 0:count), in (source rank, token) order
+        e = c["ids"].clamp(0, L - 1)
+        dest = e * M + (route.slot.long() - route.offsets.long()[e])
+        dest = torch.where(route.slot >= 0, dest, L * M)  # invalid picks -> a spare row
+        st["dest"] = dest
+        flat = dest.reshape(-1)
+        src_rows = torch.arange(M, device=self.device).repeat_interleave(K)
+
+        def scatter(name, src, width, dtype):
+            buf = self._buf(name, (L * M + 1, width), dtype)
+            buf.index_copy_(0, flat, src[src_rows].reshape(-1, width))
+            return buf[:L * M]
+        if self.nvfp4:
+            em = {"data": scatter("ll_data", c["data"], H // 2, torch.uint8),
+                  "scales": scatter("ll_sc", c["scales"], H // 16, torch.uint8),
+                  "gs": scatter("ll_gs", c["gs"][:, None], 1, torch.float32).reshape(-1)}
+        else:
+            em = {"tok": scatter("ll_tok", c["tok"], H, torch.bfloat16)}
+        return DispatchResult(self._tokens(em, shape=(L, M)), expert_counts=route.counts)
+
+    def _to_rank_major(self, c, n_from: list[int]) -> dict[str, torch.Tensor]:
+        T, R = self.config.max_tokens_per_rank, self.world
+        rm, o = {}, 0
+        for k, v in c.items():
+            rm[k] = self._buf("rm_" + k, v.shape, v.dtype)
+            rm[k].view(R, T, -1)[:] = 0 if k != "ids" else -1
+        for s, n in enumerate(n_from):
+            for k, v in c.items():
+                rm[k][s * T:s * T + n] = v[o:o + n]
+            o += n
+        return rm
+
+    # ---- combine --------------------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """``[B, H]`` bf16 in the original token order from the compute's output for the last dispatch."""
+        st, cfg = self._state, self.config
+        R, L, T, B = self.world, self.L, cfg.max_tokens_per_rank, st["B"]
+        H = cfg.hidden_size
+        key = (cfg.algorithm, cfg.layout)
+        if key == (Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR):
+            y = expert_out.reshape(L * R * T, H)
+            if R == 1:  # weights applied here, in fp32
+                pick = Route(None, None, torch.where(st["dest"] < L * R * T, st["dest"], -1).to(torch.int32), None)
+                return unpermute_reduce(y, pick, self._compact()["w"])[:B]
+            flat = st["dest"].reshape(-1)
+            send = y[flat[flat < L * R * T]]  # one row per received pick, in compact order
+            ret = self._a2a(send, st["recv_pick"], st["send_pick"], "recv_combine")
+            owner, K = st["owner"], cfg.top_k
+            onehot = (owner.reshape(-1, 1) == torch.arange(R, device=self.device)).long()
+            rank_in_dst = onehot.cumsum(0) - 1
+            base = torch.tensor([0] + st["send_pick"][:-1], device=self.device).cumsum(0)
+            oc = owner.reshape(-1).clamp(min=0)
+            pos = base[oc] + rank_in_dst.gather(1, oc[:, None]).reshape(-1)
+            pick = Route(None, None, torch.where(owner.reshape(-1) >= 0, pos, -1).reshape(B, K).to(torch.int32), None)
+            return unpermute_reduce(ret, pick, st["topk_weights"])
+        if key == (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR):
+            rows = unpermute_reduce(expert_out.reshape(-1, H), st["route"])  # slots already weighted
+        elif key == (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR):
+            rm = expert_out.reshape(R, T, H)
+            rows = rm[0] if R == 1 else torch.cat([rm[s, :n] for s, n in enumerate(st["n_from"])])
+        else:
+            rows = expert_out.reshape(-1, H)
+        if R == 1:
+            return rows[:B].to(torch.bfloat16)
+        ret = self._a2a(rows[:sum(st["n_from"])].to(torch.bfloat16), st["n_from"], st["send_tok"], "recv_combine")
+        to_dst = st["to_dst"]  # [B, R]: ret holds, per dst in order, one row per token sent there
+        base = torch.tensor([0] + st["send_tok"][:-1], device=self.device).cumsum(0)
+        pos = torch.where(to_dst, base[None, :] + to_dst.long().cumsum(0) - 1, ret.shape[0])
+        ext = torch.cat([ret, ret.new_zeros(1, H)])
+        return ext[pos.T].float().sum(0).to(torch.bfloat16)  # fixed order over ranks: deterministic
+
+    def close(self) -> None:
+        """Drop the buffers (the process group belongs to the caller)."""
+        self._bufs.clear()
+        self._state = None
