@@ -20,7 +20,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """``2688 / amax`` in fp32; 1.0 where amax is 0 (an all-zero tensor) or the quotient overflows."""
     amax = amax.float()
-    gs = GLOBAL_SCALE_NUMERATOR / amax
+    # tensor / tensor: torch's CUDA kernel turns division by a Python scalar into a reciprocal multiply,
+    # which is not the IEEE division the kernels (div_rn) and this definition use
+    gs = torch.full_like(amax, GLOBAL_SCALE_NUMERATOR) / amax
     return torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs))
 
 
@@ -76,7 +78,7 @@ def quantize_nvfp4_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None
     xf = x.float().reshape(lead, -1, k // NVFP4_BLOCK, NVFP4_BLOCK)
     gs = _per_row_global_scale(global_scale, lead, xf.shape[1]).unsqueeze(-1)  # [lead, 1, 1, 1]
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    s = ((amax / E2M1_MAX) * gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    s = ((amax / torch.full_like(amax, E2M1_MAX)) * gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf = s.float()
     inv = torch.where(sf > 0, gs / sf, torch.zeros_like(sf))
     codes = e2m1_codes_ref(xf * inv).reshape(*shape[:-1], k)
