@@ -63,18 +63,21 @@ class MoEEpLayer(torch.nn.Module):
         check(idx.dtype in _IDX_DTYPES, "topk_idx.dtype", idx.dtype, "torch.int32, torch.int64")
         check(tuple(w.shape) == (B, cfg.top_k), "topk_weights.shape", tuple(w.shape), f"({B}, {cfg.top_k})")
         check(w.dtype in _W_DTYPES, "topk_weights.dtype", w.dtype, "torch.float32, torch.bfloat16, torch.float16")
-        if validate and B and not _capturing(x):  # value checks: one host sync
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < -1 or hi >= cfg.num_experts:
-                raise MoEEpInputError(f"topk_idx range = ({lo}, {hi}); allowed: ids in [-1, {cfg.num_experts})")
+        if validate and B and not _capturing(x):  # value checks: one host sync, details only on failure
             s = idx.sort(dim=1).values
             dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
-            if bool(dup.any()):
+            bad = torch.stack([(idx < -1).any() | (idx >= cfg.num_experts).any(), dup.any(),
+                               ~torch.isfinite(w).all()])
+            if not bool(bad.any()):
+                return
+            if bool(bad[0]):
+                lo, hi = int(idx.min()), int(idx.max())
+                raise MoEEpInputError(f"topk_idx range = ({lo}, {hi}); allowed: ids in [-1, {cfg.num_experts})")
+            if bool(bad[1]):
                 row = int(dup.nonzero()[0, 0])
                 raise MoEEpInputError(f"topk_idx[{row}] = {idx[row].tolist()}; allowed: distinct expert ids "
                                       "per row (-1 may repeat)")
-            if not bool(torch.isfinite(w).all()):
-                raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
+            raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
 
     def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
                 validate: bool | None = None) -> torch.Tensor:
