@@ -259,3 +259,28 @@ def test_needs_initialized_process_group():
         NcclEpTransport(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), ep=fake_nccl_ep.make_module())
     with pytest.raises(MoEEpInputError, match="init_process_group"):
         NixlEpTransport(cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048), nixl=fake_nixl_ep.make_module())
+
+
+@pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
+def test_nccl_ep_rank_with_no_tokens_still_steps(alg, lay):
+    """B = 0 must not be refused: a rank with no tokens still joins the collective (one row, no picks)."""
+    c = cfg(alg, lay)
+    t, ep = nccl(c)
+    for step, B in enumerate((0, 4, 0)):
+        x, idx, w = routing(B, c.num_experts, c.top_k, step) if B else (
+            torch.empty(0, 128, dtype=torch.bfloat16), torch.empty(0, 3, dtype=torch.int64), torch.empty(0, 3))
+        out = t.combine(toy_compute(t.dispatch(x, idx, w), c, 0, 1))
+        assert out.shape == (B, 128)
+        if B:
+            torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=2e-2, atol=2e-2)
+    assert sum(n == "Handle.dispatch" for n, *_ in ep.calls) == 3
+    t.close()
+
+
+def test_nixl_ep_rank_with_no_tokens_still_steps():
+    c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048)
+    t, m = nixl(c)
+    out = t.combine(toy_compute(t.dispatch(torch.empty(0, 2048, dtype=torch.bfloat16),
+                                           torch.empty(0, 3, dtype=torch.int64), torch.empty(0, 3)), c, 0, 1))
+    assert out.shape == (0, 2048)
+    t.close()

@@ -56,3 +56,11 @@ class Transport(Protocol):
         ...
 
 
+
+
+def padding_row(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, top_k: int):
+    """One token that picks no expert (zeros, ids -1): what a rank with no tokens sends, since it must
+    still take part in the collective dispatch and combine."""
+    return (torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device),
+            torch.full((1, top_k), -1, dtype=topk_idx.dtype, device=x.device),
+            torch.zeros(1, top_k, dtype=topk_weights.dtype, device=x.device))

@@ -29,7 +29,7 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
-from .base import DispatchResult
+from .base import DispatchResult, padding_row
 
 HT_MAX_TOKENS_PER_RANK = 8192       # HT kernels' build-time MAX_SUPPORTED_TOKENS_PER_RANK (NCCL contrib/nccl_ep common.hpp)
 NCCL_FLOAT4X2 = 12                  # nccl_ep.h line 22: ncclFloat4x2, not a member of nccl4py's NcclDataType
@@ -204,6 +204,12 @@ class NcclEpTransport:
         ``[B, K]`` float32 (likewise). The descriptors of a step are cached by the inputs' addresses, so
         a caller that reuses its input buffers (CUDA graphs, static serving buffers) pays no set-up per step.
         """
+        # a rank with no tokens still takes part in the collective: it sends one row that picks no expert
+        self._empty = hidden_states.dim() == 2 and hidden_states.shape[0] == 0
+        if self._empty:
+            if getattr(self, "_pad", None) is None:  # owned, so the step's addresses stay the same
+                self._pad = padding_row(hidden_states, topk_idx, topk_weights, self.config.top_k)
+            hidden_states, topk_idx, topk_weights = self._pad
         x, xs = hidden_states, None
         if self.fp4:
             check(x.dtype == torch.bfloat16 and x.dim() == 2, "hidden_states", f"{tuple(x.shape)} {x.dtype}",
@@ -259,7 +265,7 @@ class NcclEpTransport:
         B = x.shape[0]
         H = c.hidden_size // 2 if self.fp4 else c.hidden_size
         check(x.dim() == 2 and 0 < B <= c.max_tokens_per_rank and x.shape[1] == H, "hidden_states.shape",
-              tuple(x.shape), f"[B, {H}] with 1 <= B <= max_tokens_per_rank ({c.max_tokens_per_rank})")
+              tuple(x.shape), f"[B, {H}] with B <= max_tokens_per_rank ({c.max_tokens_per_rank})")
         check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
         check(tuple(topk_weights.shape) == (B, c.top_k), "topk_weights.shape", tuple(topk_weights.shape),
               f"({B}, {c.top_k})")
@@ -295,7 +301,7 @@ class NcclEpTransport:
             cin = self._bundle("CombineInputs", tokens=self._desc(expert_out))
             self._plans[(expert_out.data_ptr(), expert_out.shape, expert_out.dtype)] = cin
         self.handle.combine(cin, cout, stream=stream)
-        return out
+        return out[:0] if self._empty else out
 
     def close(self) -> None:
         """Release the handle, then the group, then the communicator (in that order). Idempotent."""

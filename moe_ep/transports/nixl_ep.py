@@ -24,7 +24,7 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
-from .base import DispatchResult
+from .base import DispatchResult, padding_row
 
 _instances = itertools.count()
 # the LL kernels are compiled for these hidden sizes only (SWITCH_HIDDEN in csrc/kernels/launch.cuh of
@@ -109,11 +109,17 @@ class NixlEpTransport:
     def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> DispatchResult:
         """``tokens [L, R*T, H]`` bf16 and ``expert_counts [L]`` int32 (rows past a count are garbage)."""
+        # a rank with no tokens still takes part in the collective: it sends one row that picks no expert
+        self._empty = hidden_states.dim() == 2 and hidden_states.shape[0] == 0
+        if self._empty:
+            if getattr(self, "_pad", None) is None:  # owned, so the step's addresses stay the same
+                self._pad = padding_row(hidden_states, topk_idx, topk_weights, self.config.top_k)
+            hidden_states, topk_idx, topk_weights = self._pad
         c = self.config
         x = hidden_states
         B = x.shape[0]
         check(x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < B <= c.max_tokens_per_rank, "hidden_states",
-              f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with 1 <= B <= {c.max_tokens_per_rank}")
+              f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with B <= {c.max_tokens_per_rank}")
         check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
         idx = topk_idx.contiguous() if topk_idx.dtype == self.nixl.topk_idx_t else \
             self._idx[:B].copy_(topk_idx)          # staged: nixl_ep_cu13.topk_idx_t (int32 in 1.5.1)
@@ -131,7 +137,7 @@ class NixlEpTransport:
         B, idx, w, handle = self._last
         combined, _event, _hook = self.buffer.low_latency_combine(
             expert_out.contiguous(), idx, w, handle, async_finish=False, return_recv_hook=False, out=self.out[:B])
-        return combined
+        return combined[:0] if self._empty else combined
 
     def close(self) -> None:
         """Destroy the NIXL buffer (it was created with ``explicitly_destroy=True``). Idempotent."""
