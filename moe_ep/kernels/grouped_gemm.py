@@ -8,12 +8,11 @@ schedule tensor; the grid is a fixed upper bound and surplus programs exit at on
 tiles, and in the masked layout no program reads, computes or writes a row past ``counts[g]``.
 
 NVFP4 operands are decoded in registers to bf16 (an E2M1 value times an E4M3 scale is exact in bf16) and
-fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulator. The decode never
-interleaves the two nibbles of a byte: since the dot sums over K in any order, the low nibbles (even k)
-and the high nibbles (odd k) make two half-width dots, with the other operand loaded at even / odd k.
-E2M1 -> value: the 3 magnitude bits shifted into an fp16's exponent/mantissa give ``e2m1 * 2^-14``
-exactly (E2M1's subnormal lands on fp16's), so decode is a shift, an or and a cast; 2^14 is folded into
-the block scale. (``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes Triton 3.6's
+fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulator. NVFP4 weights are decoded
+by a few integer ops and one bf16x2 fma per pair (inline PTX, :data:`_FP4_ASM`) straight into the layout of
+wgmma's register operand (swapped) with K permuted (:func:`_k_perm`, x follows) so each thread reads whole
+words of packed codes and two scales per row: the decode, not the weight bytes, was the decode-time bound.
+(``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes Triton 3.6's
 compiler on Hopper; the register path is what runs on Blackwell too.)
 
 Decode shapes swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
@@ -27,22 +26,61 @@ import triton
 import triton.language as tl
 
 from ..errors import MoEEpInputError, check
-from ..triton_runtime import device as kernel_device
+from ..triton_runtime import INTERPRETER, device as kernel_device
 from . import tuning
 from .nvfp4 import NvFp4Tensor, e4m3_values_of_bytes
 
 
-@triton.jit
-def _fp4_halves(packed, scale_bytes, R: tl.constexpr, HALF_K: tl.constexpr):
-    """Packed E2M1 bytes [R, HALF_K] and their E4M3 scale bytes [R, HALF_K / 8] -> (even-k, odd-k) bf16."""
-    p = packed.to(tl.int32)
-    s_val, _ = e4m3_values_of_bytes(scale_bytes.to(tl.int32))
-    s = s_val * 16384.0  # the fp16 trick below yields e2m1 * 2^-14
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, HALF_K // 8, 8]), [R, HALF_K])
-    lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-    return (lo.to(tl.float32) * s).to(tl.bfloat16), (hi.to(tl.float32) * s).to(tl.bfloat16)
+# 4 packed bytes (8 codes) -> lo / hi nibbles as bf16 bit patterns e2m1 * 2^-126 (magnitude into exponent LSBs
+# and mantissa MSB; code 1 lands on a bf16 subnormal, which bf16 fma keeps), times s * 2^118 with one bf16x2 fma per
+# pair: integer ops and no cvt (cvt runs at 1/4 the rate and made the decode, not the weight bytes, the bound).
+_FP4_ASM = tl.constexpr("""{
+.reg .b32 t, u, m, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $4, 0, 0x4140;
+prmt.b32 u, $4, 0, 0x4342;
+and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, $5, z;
+and.b32 m, u, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $1, m, $6, z;
+and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $2, m, $5, z;
+and.b32 m, u, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $3, m, $6, z;
+}""")
+_DECODE_ASM = tl.constexpr(not INTERPRETER)  # the interpreter runs no inline asm: same values, plain ops
 
+
+@triton.jit
+def _fp4_tile(packed, scale_bytes, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed E2M1 bytes [R, BLOCK_K / 2] and their E4M3 scale bytes [R, BLOCK_K / 16] -> bf16 [R, BLOCK_K] in
+    natural k order, holding ``e2m1 * s * 2^-8`` (exact; the caller folds 2^8 into the global scale). The join
+    puts a byte's two nibbles side by side, which is what a thread holds of a wgmma register operand."""
+    s_val, _ = e4m3_values_of_bytes(scale_bytes.to(tl.int32))
+    HK: tl.constexpr = BLOCK_K // 2
+    if _DECODE_ASM:
+        s = (s_val * 3.3230699894622794e35).to(tl.bfloat16)  # 2^118: exact, s <= 448 keeps it below bf16's max
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, BLOCK_K // 16, 8]), [R, HK])
+        w_lo, w_hi = tl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r,r", [packed, s],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        p = packed.to(tl.int32)
+        s = s_val * 64.0  # the fp16 trick below yields e2m1 * 2^-14
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, BLOCK_K // 16, 8]), [R, HK])
+        lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        w_lo = (lo.to(tl.float32) * s).to(tl.bfloat16)
+        w_hi = (hi.to(tl.float32) * s).to(tl.bfloat16)
+    # physical (c, j, h, e) -> logical k = 16j + 8h + 2c + e (see _k_perm)
+    w = tl.reshape(tl.join(w_lo, w_hi), [R, 4, BLOCK_K // 16, 2, 2])
+    return tl.reshape(tl.permute(w, (0, 2, 3, 1, 4)), [R, BLOCK_K])
+
+
+@triton.jit
+def _k_perm(BLOCK_K: tl.constexpr):
+    """Physical k offset (in the tile) of each logical k the NVFP4-weight dot sees. A wgmma register operand
+    gives a thread k = 2c, 2c+1, 2c+8, 2c+9 of every 16-chunk; ordering K so those are physically adjacent
+    hands each thread whole 4 * BLOCK_K / 16 element runs of a row: vector shared loads, 2 scales per row.
+    A permutation of K (applied to x too) leaves the dot unchanged."""
+    l = tl.arange(0, BLOCK_K)
+    p = (l % 8 // 2) * (BLOCK_K // 4) + (l // 16) * 4 + (l // 8 % 2) * 2 + l % 2
+    return tl.max_contiguous(tl.multiple_of(p, 2), 2)  # pairs stay adjacent: 4-byte async copies of x
 
 
 @triton.jit
@@ -108,39 +146,22 @@ def _load_x_cols(x_ptr, xs_ptr, xrow, rmask, kk, K, X_FP4: tl.constexpr, SWAP_AB
 
 
 @triton.jit
-def _load_x(x_ptr, xs_ptr, xrow, rmask, k0, K, X_FP4: tl.constexpr, W_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
-            BLOCK_K: tl.constexpr):
-    """One K step of x, loaded once for the gate and up tiles: natural k order (x_a; x_b unused) for bf16
-    weights, (even k, odd k) halves for NVFP4 weights (see the module docstring)."""
-    if W_FP4:
-        ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        x_a = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, ke, K, X_FP4, SWAP_AB)
-        x_b = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, ke + 1, K, X_FP4, SWAP_AB)
-    else:
-        x_a = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, k0 + tl.arange(0, BLOCK_K), K, X_FP4, SWAP_AB)
-        x_b = x_a
-    return x_a, x_b
-
-
-@triton.jit
-def _accumulate(acc, x_a, x_b, w_ptr, ws_ptr, wrow, nmask, k0, K, W_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
+def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, nmask, k0, K, K16, W_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += x[rows, k0:k0+BLOCK_K] @ w[wrow, k0:k0+BLOCK_K]^T for one K step (x from :func:`_load_x`)."""
+    """acc += x[rows, k0:k0+BLOCK_K] @ w[wrow, k0:k0+BLOCK_K]^T for one K step (x loaded by the caller)."""
     if W_FP4:
         hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         q = tl.load(w_ptr + wrow[:, None] * (K // 2) + hk[None, :], mask=nmask[:, None] & (hk[None, :] < K // 2),
                     other=0)
+        # row stride K16 is its own argument so Triton specializes it as a multiple of 16: aligned vector loads,
+        # which the pipeliner needs to prefetch the scales asynchronously
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        sb = tl.load(ws_ptr + wrow[:, None] * (K // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < K // 16),
-                     other=0)
-        w_even, w_odd = _fp4_halves(q, sb, BLOCK_N, BLOCK_K // 2)
-        acc = _mma(acc, x_a, w_even, SWAP_AB)
-        acc = _mma(acc, x_b, w_odd, SWAP_AB)
+        sb = tl.load(ws_ptr + wrow[:, None] * K16 + sk[None, :], mask=nmask[:, None] & (sk[None, :] < K16), other=0)
+        w = _fp4_tile(q, sb, BLOCK_N, BLOCK_K)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=nmask[:, None] & (kk[None, :] < K), other=0.0)
-        acc = _mma(acc, x_a, w, SWAP_AB)
-    return acc
+    return _mma(acc, xt, w, SWAP_AB)
 
 
 @triton.jit
@@ -149,7 +170,7 @@ def _grouped_gemm_kernel(
         w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]
         out_ptr, rs_ptr,  # out bf16 [rows, N]; row scale fp32 [rows]
         cnt_ptr,  # masked: counts [G]; ragged: offsets [G+1]
-        G, M_MAX, N, K, S,
+        G, M_MAX, N, K, K16, S,  # K16 = K // 16
         M_BUCKET,  # autotune key only
         RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr, SWIGLU: tl.constexpr,
         HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -202,18 +223,21 @@ def _grouped_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):
-        x_a, x_b = _load_x(x_ptr, xs_ptr, xrow, rmask, k0, K, X_FP4, W_FP4, SWAP_AB, BLOCK_K)
-        acc = _accumulate(acc, x_a, x_b, w_ptr, ws_ptr, wrow, nmask, k0, K, W_FP4, SWAP_AB, BLOCK_N, BLOCK_K)
+        if W_FP4:
+            xt = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, k0 + _k_perm(BLOCK_K), K, X_FP4, SWAP_AB)
+        else:
+            xt = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, k0 + tl.arange(0, BLOCK_K), K, X_FP4, SWAP_AB)
+        acc = _accumulate(acc, xt, w_ptr, ws_ptr, wrow, nmask, k0, K, K16, W_FP4, SWAP_AB, BLOCK_N, BLOCK_K)
         if SWIGLU:  # the matching up rows (N further down), so the [*, 2I] intermediate is never written
-            acc_up = _accumulate(acc_up, x_a, x_b, w_ptr, ws_ptr, wrow + N, nmask, k0, K, W_FP4, SWAP_AB, BLOCK_N,
+            acc_up = _accumulate(acc_up, xt, w_ptr, ws_ptr, wrow + N, nmask, k0, K, K16, W_FP4, SWAP_AB, BLOCK_N,
                                  BLOCK_K)
 
     if X_FP4 or W_FP4:  # global scales: value = e2m1 * s / gs, so divide the fp32 sums once
         inv = 1.0
         if X_FP4:
             inv = inv / tl.load(xgs_ptr)
-        if W_FP4:
-            inv = inv / tl.load(wgs_ptr + g)
+        if W_FP4:  # 256: the weight tiles hold e2m1 * s / 256
+            inv = inv * (256.0 / tl.load(wgs_ptr + g))
         acc = acc * inv
         acc_up = acc_up * inv
     if SWIGLU:
@@ -349,14 +373,14 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
     if tuned is not None:
         cfg = dict(tuned)
         grid = (tiles_m(cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _grouped_gemm_kernel[grid](*args, G, M_max, N, K, S, tuning.m_bucket(m), **flags, **cfg)
+        _grouped_gemm_kernel[grid](*args, G, M_max, N, K, K // 16, S, tuning.m_bucket(m), **flags, **cfg)
         last_launch.update(source="tuned-file", config=cfg)
         return out
 
     def grid(meta):
         return (tiles_m(meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _autotuned[grid](*args, G, M_max, N, K, S, tuning.m_bucket(m), **flags)
+    _autotuned[grid](*args, G, M_max, N, K, K // 16, S, tuning.m_bucket(m), **flags)
     best = getattr(_autotuned, "best_config", None)
     last_launch.update(source="autotune", config=dict(best.all_kwargs()) if best is not None else None)
     return out
@@ -394,7 +418,7 @@ def _compile_checks():
                         sig = {"x_ptr": "*u8" if x_fp4 else "*bf16", "xs_ptr": "*u8", "xgs_ptr": "*fp32",
                                "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
                                "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
-                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "S": "i32", "M_BUCKET": "i32"}
+                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "K16": "i32", "S": "i32", "M_BUCKET": "i32"}
                         const = {"RAGGED": ragged, "X_FP4": x_fp4, "W_FP4": w_fp4, "SWIGLU": swiglu,
                                  "HAS_RS": has_rs, "BLOCK_G": 32,
                                  "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,

@@ -46,6 +46,7 @@ GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
 QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape class
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": swap AB so the tokens sit in the MMA's N slot
+FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
 
 def m_bucket(m: int) -> int:
@@ -73,6 +74,8 @@ def grouped_gemm_configs() -> list[triton.Config]:
                 if bn * bk <= 128 * 128 or stages <= 4:
                     space.append(_gemm(bm, bn, bk, True, stages, 4))
         space.append(_gemm(bm, 128, 128, True, 4, 8))  # more warps to decode NVFP4 weights
+    for bn, warps in ((64, 4), (128, 4), (128, 8)):  # NVFP4 weights, 33-128 tokens
+        space.append(_gemm(64, bn, 128, True, 3 if bn == 128 else 4, warps))
     for bm, bn, bk, stages, warps in ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 3, 4),
                                       (128, 64, 64, 4, 4), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4),
                                       (128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (64, 256, 64, 4, 8)):
@@ -95,29 +98,43 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     groups = int(named_args["G"])
     decode = m <= DECODE_MAX_M
     swiglu = bool(kwargs.get("SWIGLU", named_args.get("SWIGLU", False)))
+    w_fp4 = bool(kwargs.get("W_FP4", named_args.get("W_FP4", False)))
+    right_kind = []  # operand order fit for the shape, before the size filters
     keep = []
     for c in configs:
         kw = c.kwargs
-        if kw["SWAP_AB"] != decode:
-            continue
-        if decode and kw["BLOCK_M"] > max(m, 16):
-            continue
-        if not decode and kw["BLOCK_M"] > max(m, 64):
-            continue
-        if swiglu and not decode and kw["BLOCK_M"] * kw["BLOCK_N"] > 128 * 128 and not INTERPRETER:
+        if kw["SWAP_AB"]:
+            if not decode and not (w_fp4 and m <= FP4_SWAP_MAX_M):
+                continue
+            if kw["BLOCK_M"] > max(m, 16):
+                continue
+            if kw["BLOCK_M"] != 64 if not decode else kw["BLOCK_M"] > 32:
+                continue
+        else:
+            if decode:
+                continue
+            if kw["BLOCK_M"] > max(m, 64):
+                continue
+        right_kind.append(c)
+        if swiglu and not kw["SWAP_AB"] and kw["BLOCK_M"] * kw["BLOCK_N"] > 128 * 128 and not INTERPRETER:
             continue  # gate and up accumulators: twice the registers
         too_wide = kw["BLOCK_N"] > max(triton.next_power_of_2(n), 16) or kw["BLOCK_K"] > max(
             triton.next_power_of_2(k), 32)
         if too_wide and not INTERPRETER:
             continue
         keep.append(c)
+    if not keep:  # every tile too wide for a tiny shape: the smallest one of the right operand order
+        keep = sorted(right_kind, key=lambda c: (c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"], c.kwargs["BLOCK_M"]))[:1]
     if os.environ.get(QUICK_ENV) and len(keep) > 3:  # bounded search (benchmarks' --quick)
         keep = keep[:2] + keep[-1:]
     if not INTERPRETER and len(keep) > 1:
         full = [c for c in keep if groups * triton.cdiv(m, c.kwargs["BLOCK_M"]) * triton.cdiv(n, c.kwargs["BLOCK_N"])
                 >= sm_count()]
         keep = full or keep
-    return keep or configs[:1]
+    if not keep:  # nothing of the right order in the space at all: the space is broken, not the shape
+        raise MoEEpConfigError(f"no grouped-GEMM config for m={m} n={n} k={k} (swap {decode}); allowed: a space "
+                               "with both operand orders")
+    return keep
 
 
 def shape_class(n: int, k: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> str:
