@@ -19,6 +19,7 @@ from moe_ep import MoEEpConfigError, MoEEpInputError
 from moe_ep.kernels import NvFp4Tensor, expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels import tuning
 from moe_ep.reference import dequantize_nvfp4_ref, expert_mlp_ref, grouped_gemm_ref
+from moe_ep.strategies import make_gemm_operands
 
 GEMM_TOL = 1e-2
 MLP_TOL = 2e-2
@@ -52,7 +53,7 @@ def _weights(w, fmt):
 def _acts(x, fmt):
     if fmt == "bf16":
         return x, x.float()
-    q = quantize_nvfp4(x, None if x.numel() else 1.0)  # (the default scale needs an amax: not of nothing)
+    q = quantize_nvfp4(x)
     return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
 
 
@@ -80,25 +81,10 @@ def gemm_cases(draw):
         seed=draw(st.integers(0, 2**16)))
 
 
-def _layout(c, K, dev, gen):
-    """x bf16 (masked [G, M_max, K] or ragged [S, K]), index tensor kwargs, valid-row mask, rows shape."""
-    G, counts = c["G"], c["counts"]
-    if c["ragged"]:
-        offs = [0]
-        for n in counts:
-            offs.append(offs[-1] + n)
-        S = offs[-1] + c["pad"]  # trailing rows that belong to no expert: must stay untouched
-        valid = torch.zeros(S, dtype=torch.bool)
-        valid[:offs[-1]] = True
-        idx = dict(offsets=torch.tensor(offs, dtype=torch.int32, device=dev))
-        rows = (S,)
-    else:
-        M_max = max(counts + [0]) + c["pad"]
-        valid = torch.arange(M_max)[None, :] < torch.tensor(counts)[:, None]
-        idx = dict(counts=torch.tensor(counts, dtype=torch.int64, device=dev))
-        rows = (G, M_max)
-    x = _values((*rows, K), c["scale"], c["zero_frac"], gen, dev)
-    return x, idx, valid.to(dev), rows
+def _layout(c, K, dev):
+    """x bf16 (masked [G, M_max, K] or ragged [S, K] with trailing rows that belong to no expert and must
+    stay untouched), index tensor kwargs, valid-row mask, rows shape."""
+    return make_gemm_operands(dict(c, K=K), dev)
 
 
 def _assert_close(out, ref, valid, tol):
@@ -114,7 +100,7 @@ def _assert_close(out, ref, valid, tol):
 def test_grouped_gemm_matches_reference(dev, c):
     gen = torch.Generator().manual_seed(c["seed"])
     G, K, N = c["G"], c["K"], c["N"]
-    x, idx, valid, rows = _layout(c, K, dev, gen)
+    x, idx, valid, rows = _layout(c, K, dev)
     w = _values((G, 2 * N if c["swiglu"] else N, K), 0.5, c["zero_frac"], gen, dev)
     xk, xr = _acts(x, c["x_fmt"])
     wk, wr = _weights(w, c["w_fmt"])
@@ -141,7 +127,7 @@ def mlp_cases(draw):
 def test_expert_mlp_matches_reference(dev, c):
     gen = torch.Generator().manual_seed(c["seed"])
     G, H, I = c["G"], c["H"], c["I"]
-    x, idx, valid, rows = _layout(c, H, dev, gen)
+    x, idx, valid, rows = _layout(c, H, dev)
     w13k, w13r = _weights(_values((G, 2 * I, H), 0.3, 0.0, gen, dev), c["w_fmt"])
     w2k, w2r = _weights(_values((G, H, I), 0.3, 0.0, gen, dev), c["w_fmt"])
     xk, xr = _acts(x, c["x_fmt"])

@@ -18,7 +18,6 @@ Nothing here assumes an architecture: the device name and the config space come 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 
@@ -153,19 +152,6 @@ def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev) -> dict
                 candidates=len(cands), timings=timings, seconds=time.perf_counter() - t_start)
 
 
-def _load(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            table = json.load(f)
-    except (OSError, ValueError) as e:
-        raise MoEEpConfigError(f"tuned-config file {path}: {e}; allowed: a JSON object (fix or remove it)") from e
-    if not isinstance(table, dict):
-        raise MoEEpConfigError(f"tuned-config file {path} = {type(table).__name__}; allowed: a JSON object")
-    return table
-
-
 def run(args) -> int:
     gg, tuning = _kernels()
     names = name_list(args.presets or args.preset, "--presets", PRESETS)
@@ -185,7 +171,7 @@ def run(args) -> int:
         for s in todo:
             key = tuning.shape_class(s["N"], s["K"], s["x_fp4"], s["w_fp4"], s["swiglu"])
             label = f"{s['preset']} {s['gemm']} {key} m={s['bucket']}"
-            table = _load(path)  # re-read: another process may have added shapes
+            table = tuning.load_config_file(path)  # re-read: another process may have added shapes
             if not args.force and str(s["bucket"]) in table.get(key, {}):
                 rows.append([s["preset"], key, s["bucket"], "skipped (already tuned)", "", ""])
                 advance(label + " (skip)")
@@ -198,7 +184,7 @@ def run(args) -> int:
             r = tune_shape(s, gg, tuning, args.max_seconds_per_shape, args.rep_ms, dev)
             report.append(dict(shape=s, shape_class=key, **r))
             if r["best"] is not None:
-                table = _load(path)
+                table = tuning.load_config_file(path)
                 table.setdefault(key, {})[str(s["bucket"])] = r["best"]
                 write_json(path, table)
             best = r["best"]

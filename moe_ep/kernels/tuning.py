@@ -157,16 +157,23 @@ def config_dirs() -> list[str]:
     return dirs
 
 
-@lru_cache(maxsize=None)
-def _load_file(path: str, mtime: float) -> dict:
+def load_config_file(path: str) -> dict:
+    """A tuned-config file as a dict ({} when absent); a malformed one raises MoEEpConfigError."""
+    if not os.path.isfile(path):
+        return {}
     try:
         with open(path) as f:
             table = json.load(f)
     except (OSError, ValueError) as e:
-        raise MoEEpConfigError(f"tuned-config file {path}: {e}; allowed: a JSON object") from e
+        raise MoEEpConfigError(f"tuned-config file {path}: {e}; allowed: a JSON object (fix or remove it)") from e
     if not isinstance(table, dict):
         raise MoEEpConfigError(f"tuned-config file {path} = {type(table).__name__}; allowed: a JSON object")
     return table
+
+
+@lru_cache(maxsize=None)
+def _load_file(path: str, mtime: float) -> dict:
+    return load_config_file(path)  # cached per modification time: re-read when tune rewrites it
 
 
 def _validate(cfg, where: str) -> dict:
