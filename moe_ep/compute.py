@@ -6,10 +6,11 @@
 
 Nothing here syncs with the host: counts, offsets and the number of valid rows stay on the device.
 
-NVFP4 activations: received ``NvFp4Tensor`` tokens keep their source rank's global scale per row. The
-GEMM takes one global scale for its input, so the valid rows are dequantized (fp32) and quantized again
-with a scale computed here, on the device (for the bridge layouts in the same pass as the gather).
-Tokens that arrive as bf16 are quantized the same way when ``activation_format`` is NVFP4.
+NVFP4 activations: received ``NvFp4Tensor`` tokens keep their source rank's global scale per row, and
+the GEMM takes them as they are (one global scale per row); the bridge gathers their packed rows, scales
+and global scales without requantizing. Tokens that arrive as bf16 when ``activation_format`` is NVFP4
+are quantized here with one scale computed on the device (for the bridge layouts in the same pass as the
+gather).
 """
 
 from __future__ import annotations
@@ -19,39 +20,38 @@ import torch
 from .config import Algorithm, EpConfig, Format, Layout
 from .kernels import expert_mlp
 from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
-from .kernels.nvfp4 import NvFp4Tensor, dequantize_nvfp4, quantize_nvfp4
+from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
 from .transports.base import DispatchResult
 from .weights import ExpertWeights
 
 
-def _rows(tokens, valid: torch.Tensor | None):
-    """Tokens as a float tensor ``[..., H]``; NVFP4 tokens dequantized with their per-row global scale.
-    ``valid`` (bool, ``tokens.shape[:-1]``) zeroes the garbage rows so they cannot skew a new scale."""
-    if isinstance(tokens, NvFp4Tensor):
-        H = tokens.shape[-1]
-        n = tokens.data.numel() // (H // 2)
-        flat = NvFp4Tensor(tokens.data.reshape(n, H // 2), tokens.scales.reshape(n, H // 16),
-                           tokens.global_scale.reshape(-1), torch.Size((n, H)))
-        x = dequantize_nvfp4(flat, torch.float32).reshape(tokens.shape)
-    else:
-        x = tokens
-    if valid is not None:
-        x = torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return x
+def _zero_garbage(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rows outside ``valid`` zeroed, so garbage cannot skew a global scale computed from x."""
+    return torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _needs_rows(tokens, nvfp4: bool) -> bool:
-    return isinstance(tokens, NvFp4Tensor) or nvfp4
+def _as_gemm_input(x, valid: torch.Tensor, nvfp4: bool):
+    """NVFP4 tokens as they are; bf16 tokens quantized (one scale, from the valid rows) when NVFP4
+    activations are asked for."""
+    if isinstance(x, NvFp4Tensor) or not nvfp4:
+        return x
+    return quantize_nvfp4(_zero_garbage(x, valid), check_finite=False)
+
+
+def _flat(tokens, M: int, H: int):
+    """Tokens ``[..., H]`` as ``M`` rows (an NvFp4Tensor's per-row global scales come along)."""
+    if not isinstance(tokens, NvFp4Tensor):
+        return tokens.reshape(M, H)
+    gs = tokens.global_scale
+    return NvFp4Tensor(tokens.data.reshape(M, H // 2), tokens.scales.reshape(M, H // 16),
+                       gs.reshape(M) if gs.numel() > 1 else gs, torch.Size((M, H)))
 
 
 def ll_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
     """``[L, R*T, H]`` -> ``[L, R*T, H]``: masked MLP, rows past ``expert_counts`` untouched."""
-    x = d.tokens
-    if _needs_rows(x, nvfp4):
-        L, RT = x.shape[0], x.shape[1]
-        valid = torch.arange(RT, device=w.device)[None, :] < d.expert_counts[:, None]
-        x = _rows(x, valid)
-        x = quantize_nvfp4(x, check_finite=False) if nvfp4 else x.to(torch.bfloat16)
+    RT = d.tokens.shape[1]
+    valid = torch.arange(RT, device=w.device)[None, :] < d.expert_counts[:, None]
+    x = _as_gemm_input(d.tokens, valid, nvfp4)
     return expert_mlp(x, w.w13, w.w2, counts=d.expert_counts)
 
 
@@ -63,13 +63,13 @@ def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_r
     route = route_experts(topk_idx.reshape(M, K), w.num_local_experts, valid_rows=valid_rows,
                           rows_per_group=rows_per_group)
     H = tokens.shape[-1]
-    if _needs_rows(tokens, nvfp4):
+    x = _flat(tokens, M, H)
+    if nvfp4 and not isinstance(x, NvFp4Tensor):  # quantized in the gather, one scale from the valid rows
         r = torch.arange(M, device=w.device)
         valid = (r % rows_per_group) < valid_rows[r // rows_per_group]
-        x = _rows(tokens, valid.reshape(tokens.shape[:-1])).reshape(M, H)
-        xs = permute_rows(x, route, quantize=True) if nvfp4 else permute_rows(x.to(torch.bfloat16), route)
+        xs = permute_rows(_zero_garbage(x, valid), route, quantize=True)
     else:
-        xs = permute_rows(tokens.reshape(M, H), route)
+        xs = permute_rows(x, route)
     y = expert_mlp(xs, w.w13, w.w2, offsets=route.offsets)
     return unpermute_reduce(y, route, topk_weights.reshape(M, K))
 
@@ -90,11 +90,8 @@ def ht_flat(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
 def ht_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
     offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
-    x = d.tokens
-    if _needs_rows(x, nvfp4):
-        valid = torch.arange(x.shape[0], device=w.device) < offsets[-1]
-        x = _rows(x, valid)
-        x = quantize_nvfp4(x, check_finite=False) if nvfp4 else x.to(torch.bfloat16)
+    valid = torch.arange(d.tokens.shape[0], device=w.device) < offsets[-1]
+    x = _as_gemm_input(d.tokens, valid, nvfp4)
     return expert_mlp(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float())
 
 

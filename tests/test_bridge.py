@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe_ep.kernels import dequantize_nvfp4, gather_quantize_nvfp4
+from moe_ep.kernels import dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
 from moe_ep.reference import permute_rows_ref, route_experts_ref, unpermute_reduce_ref
 from moe_ep.triton_runtime import device
@@ -90,6 +90,28 @@ def test_permute_quantize_matches_gather_then_quantize(case):
     assert not q.data[total:].any()  # padding slots: all-zero rows
     if total:
         assert torch.isfinite(dequantize_nvfp4(q).float()).all()
+
+
+@given(routes(), st.booleans())
+def test_permute_nvfp4_rows_gathers_codes_scales_and_row_scales(case, per_row):
+    """Received NVFP4 tokens are gathered as they are (no requantization), per-row global scales too."""
+    dev = device()
+    idx, L, valid, group = case
+    M, K = idx.shape
+    x = torch.randn(M, 64, generator=torch.Generator().manual_seed(M + 7)).bfloat16().to(dev) * 3
+    q = quantize_nvfp4(x, nvfp4_global_scale(x, per_slice=True) if per_row and M else None)
+    r = route_experts(idx.to(dev), L, valid_rows=valid.to(dev) if valid is not None else None,
+                      rows_per_group=group)
+    p = permute_rows(q, r)
+    total = int(r.offsets[-1])
+    src = r.row_of_slot[:total].long()
+    assert p.shape == (M * K, 64) and not p.swizzled
+    assert torch.equal(p.data[:total], q.data[src])
+    assert torch.equal(p.scales[:total].view(torch.uint8), q.scales.view(torch.uint8)[src])
+    if q.global_scale.numel() > 1:  # one per row (a single row's scale is a plain scalar)
+        assert p.global_scale.shape == (M * K,) and torch.equal(p.global_scale[:total], q.global_scale[src])
+    else:
+        assert torch.equal(p.global_scale, q.global_scale.reshape(-1))
 
 
 def test_route_is_deterministic_and_ordered(dev):

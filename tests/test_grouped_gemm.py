@@ -51,10 +51,19 @@ def _weights(w, fmt):
 
 
 def _acts(x, fmt):
+    """bf16, NVFP4 with one global scale, or NVFP4 with one global scale per row ("nvfp4_rows": how tokens
+    received from several ranks arrive)."""
     if fmt == "bf16":
         return x, x.float()
-    q = quantize_nvfp4(x)
-    return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
+    if fmt == "nvfp4":
+        q = quantize_nvfp4(x)
+        return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
+    rows = x.reshape(-1, x.shape[-1])
+    q = quantize_nvfp4(rows, nvfp4_global_scale(rows, per_slice=True)) if rows.shape[0] else quantize_nvfp4(rows)
+    dense = dequantize_nvfp4_ref(q.data, q.scales, q.global_scale).reshape(x.shape)
+    k = x.shape[-1]
+    return NvFp4Tensor(q.data.reshape(*x.shape[:-1], k // 2), q.scales.reshape(*x.shape[:-1], k // 16),
+                       q.global_scale, x.shape), dense
 
 
 def _counts(draw, G, max_rows):
@@ -74,7 +83,7 @@ def gemm_cases(draw):
     G = draw(st.integers(1, 6))
     return dict(
         G=G, K=16 * draw(st.integers(1, 6)), N=16 * draw(st.integers(1, 5)), counts=_counts(draw, G, 9),
-        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
+        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4", "nvfp4_rows"])),
         w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), swiglu=draw(st.booleans()), row_scale=draw(st.booleans()),
         pad=draw(st.integers(0, 3)), m_hint=draw(st.sampled_from([None, 64])),
         scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
@@ -117,7 +126,7 @@ def mlp_cases(draw):
     G = draw(st.integers(1, 4))
     return dict(
         G=G, H=16 * draw(st.integers(1, 4)), I=16 * draw(st.integers(1, 4)), counts=_counts(draw, G, 7),
-        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
+        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4", "nvfp4_rows"])),
         w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 2)),
         scale=1.0, zero_frac=0.0, seed=draw(st.integers(0, 2**16)))
 
@@ -260,3 +269,28 @@ def test_compile_checks_cover_every_variant():
         seen.add(tuple(const[k] for k in ("RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB")))
     want = {(r, xf, wf, s, not s, sw) for r in (0, 1) for xf in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
     assert {tuple(bool(v) for v in t) for t in seen} == {tuple(bool(v) for v in t) for t in want}
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_nvfp4_rows_with_their_own_global_scales(dev, ragged):
+    """Tokens from several ranks keep one global scale per row: rows 1000x apart must each stay accurate."""
+    G, M, K, I = 2, 6, 64, 32
+    gen = torch.Generator().manual_seed(1)
+    scale = torch.tensor([1e-3, 1.0, 1e3])[torch.arange(G * M) % 3].reshape(G, M, 1)
+    x = (torch.randn(G, M, K, generator=gen) * scale).bfloat16().to(dev)
+    if ragged:
+        x = x.reshape(G * M, K)
+    xk, xr = _acts(x, "nvfp4_rows")
+    assert xk.global_scale.numel() == G * M
+    w13 = _values((G, 2 * I, K), 0.3, 0.0, gen, dev)
+    w2 = _values((G, K, I), 0.3, 0.0, gen, dev)
+    idx = dict(offsets=torch.tensor([0, 5, 12], device=dev)) if ragged else dict(counts=torch.tensor([6, 4], device=dev))
+    out = expert_mlp(xk, w13, w2, **idx)
+    ref = expert_mlp_ref(xr, w13.float(), w2.float(), **idx)
+    rows = out.reshape(-1, K)[: (12 if ragged else None)]
+    refs = ref.reshape(-1, K)[: (12 if ragged else None)]
+    keep = torch.ones(rows.shape[0], dtype=torch.bool) if ragged else \
+        (torch.arange(M)[None, :] < torch.tensor([6, 4])[:, None]).reshape(-1)
+    for r in torch.nonzero(keep).flatten().tolist():  # each row relative to its own size
+        err = (rows[r].float() - refs[r]).norm() / refs[r].norm()
+        assert err < MLP_TOL, (r, err.item())

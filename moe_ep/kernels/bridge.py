@@ -146,21 +146,33 @@ def _gather_rows_kernel(x_ptr, row_ptr, total_ptr, out_ptr, N, H, stride_x,
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=live[:, None] & cmask)
 
 
-def permute_rows(x: torch.Tensor, route: Route, *, nvfp4_global_scale=None, quantize: bool = False,
+def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = False,
                  out: torch.Tensor | None = None):
     """Rows ``x[row_of_slot]`` into the expert-sorted buffer ``[M*K, H]`` (rows past ``offsets[L]`` untouched).
 
-    ``x [M, H]`` bf16 (or any float dtype). With ``quantize`` the buffer is an ``NvFp4Tensor`` quantized on
-    the way (``gather_quantize_nvfp4``; ``nvfp4_global_scale`` None = from all of x, on the device; rows
-    past the valid slots are all-zero codes).
+    ``x [M, H]``: bf16 (or any float dtype), or an ``NvFp4Tensor`` (its packed rows, scales and global
+    scales -- one, or one per row -- are gathered as they are, no requantization). With ``quantize`` a
+    float x is quantized to NVFP4 on the way (``gather_quantize_nvfp4``; ``nvfp4_global_scale`` None =
+    from all of x, on the device; rows past the valid slots are all-zero codes).
     """
+    if isinstance(x, NvFp4Tensor):
+        check(len(x.shape) == 2 and not x.swizzled, "x", f"NvFp4Tensor {tuple(x.shape)} swizzled={x.swizzled}",
+              "an NvFp4Tensor [M, H] with linear scales")
+        gs = x.global_scale.reshape(-1)
+        gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
+        return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype),
+                           gs, torch.Size((route.row_of_slot.shape[0], x.shape[1])))
     check(x.dim() == 2, "x.dim()", x.dim(), "2 ([M, H])")
-    N = route.row_of_slot.shape[0]
     if quantize:
         if nvfp4_global_scale is None and x.numel() == 0:  # amax of nothing: the all-zero scale
             nvfp4_global_scale = torch.ones((), dtype=torch.float32, device=x.device)
         return gather_quantize_nvfp4(x, route.row_of_slot, nvfp4_global_scale, check_finite=False)
-    H = x.shape[1]
+    return _gather(x, route, out)
+
+
+def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[slot] = x[row_of_slot[slot]]`` for the valid slots of ``route``, any dtype, ``x [M, H]``."""
+    N, H = route.row_of_slot.shape[0], x.shape[1]
     if out is None:
         out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     check(tuple(out.shape) == (N, H) and out.is_contiguous(), "out", tuple(out.shape), f"contiguous ({N}, {H})")
@@ -229,7 +241,7 @@ __all__ = ["Route", "route_experts", "permute_rows", "unpermute_reduce", "NvFp4T
 
 def _compile_checks():
     """(raw jit function, signature, constexprs) per kernel variant, for ``triton.compile`` on sm_90/sm_100
-    without a GPU (tests/test_bridge_compile.py)."""
+    without a GPU (tests/test_compile.py)."""
     route = {"idx_ptr": "*i64", "valid_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
              "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", "N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32",
              "L": "i32", "HAS_VALID": "constexpr", "BLOCK": "constexpr"}
@@ -238,7 +250,9 @@ def _compile_checks():
     red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
            "K": "constexpr", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     checks = [(_route_kernel, route, {"HAS_VALID": v, "BLOCK": _ROUTE_BLOCK}) for v in (False, True)]
-    checks.append((_gather_rows_kernel.fn, gather, {"BLOCK_M": 4, "BLOCK_H": 1024}))
+    for t in ("bf16", "u8", "fp32"):  # bf16 rows; NVFP4 rows: packed codes and scales (u8), global scales (fp32)
+        checks.append((_gather_rows_kernel.fn, dict(gather, x_ptr=f"*{t}", out_ptr=f"*{t}"),
+                       {"BLOCK_M": 4, "BLOCK_H": 1024}))
     checks += [(_unpermute_reduce_kernel.fn, red, {"K": 8, "HAS_W": w, "BLOCK_M": 4, "BLOCK_H": 1024})
                for w in (False, True)]
     return checks

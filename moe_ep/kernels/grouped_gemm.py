@@ -167,6 +167,7 @@ def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, nmask, k0, K, K16, W_FP4: tl.const
 @triton.jit
 def _grouped_gemm_kernel(
         x_ptr, xs_ptr, xgs_ptr,  # x: bf16 [rows, K] or packed uint8 [rows, K/2] + e4m3 bytes [rows, K/16] + fp32 gs
+        XGS_STRIDE,  # 0: one global scale for x; 1: one per row (tokens keep their source rank's scale)
         w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]
         out_ptr, rs_ptr,  # out bf16 [rows, N]; row scale fp32 [rows]
         cnt_ptr,  # masked: counts [G]; ragged: offsets [G+1]
@@ -232,14 +233,14 @@ def _grouped_gemm_kernel(
             acc_up = _accumulate(acc_up, xt, w_ptr, ws_ptr, wrow + N, nmask, k0, K, K16, W_FP4, SWAP_AB, BLOCK_N,
                                  BLOCK_K)
 
-    if X_FP4 or W_FP4:  # global scales: value = e2m1 * s / gs, so divide the fp32 sums once
-        inv = 1.0
-        if X_FP4:
-            inv = inv / tl.load(xgs_ptr)
-        if W_FP4:  # 256: the weight tiles hold e2m1 * s / 256
-            inv = inv * (256.0 / tl.load(wgs_ptr + g))
+    if W_FP4:  # global scales: value = e2m1 * s / gs, so divide the fp32 sums once (256: the weight tiles
+        inv = 256.0 / tl.load(wgs_ptr + g)  # hold e2m1 * s / 256)
         acc = acc * inv
         acc_up = acc_up * inv
+    if X_FP4:
+        xinv = _as_rows(1.0 / tl.load(xgs_ptr + xrow * XGS_STRIDE, mask=rmask, other=1.0), SWAP_AB)
+        acc = acc * xinv
+        acc_up = acc_up * xinv
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if HAS_RS:
@@ -305,7 +306,8 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
       ``offsets[g]:offsets[g+1]`` belong to expert g. Returns ``[S, N]``; rows outside every expert are
       not written.
 
-    ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales, scalar global scale). ``w``: bf16 ``[G, N, K]``,
+    ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales; one global scale, or one per row as
+    received NVFP4 tokens carry their source rank's). ``w``: bf16 ``[G, N, K]``,
     or an NvFp4Tensor of that shape (linear scales, global scale ``[G]``, one per expert). K % 16 == 0.
     ``swiglu``: w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
     ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
@@ -328,7 +330,9 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
           "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
     dev = (x.data if x_fp4 else x).device
     if x_fp4:
-        check(xgs.numel() == 1, "x.global_scale.shape", tuple(x.global_scale.shape), "a scalar (one per tensor)")
+        n_rows = xd.numel() // (K // 2)
+        check(xgs.numel() in (1, n_rows), "x.global_scale.shape", tuple(x.global_scale.shape),
+              f"a scalar, or one per row ({n_rows} = {tuple(xshape[:-1])})")
     if w_fp4:
         check(wgs.numel() in (1, G), "w.global_scale.shape", tuple(w.global_scale.shape), f"[{G}] (one per expert)")
         wgs = wgs.expand(G).contiguous()
@@ -361,8 +365,9 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
 
     m = m_hint if m_hint is not None else (M_max if not ragged else triton.cdiv(S, G))
     dummy = xd
-    args = (xd, xs if x_fp4 else dummy, xgs if x_fp4 else dummy, wd, ws if w_fp4 else dummy, wgs if w_fp4 else dummy,
-            out, row_scale if row_scale is not None else dummy, idx)
+    xgs_stride = int(x_fp4 and xgs.numel() > 1)  # per-row global scales (received NVFP4 tokens)
+    args = (xd, xs if x_fp4 else dummy, xgs if x_fp4 else dummy, xgs_stride, wd, ws if w_fp4 else dummy,
+            wgs if w_fp4 else dummy, out, row_scale if row_scale is not None else dummy, idx)
 
     def tiles_m(bm):  # upper bound on row tiles: every expert full (masked), or S rows plus a ragged tail each
         return triton.cdiv(S, bm) + G if ragged else G * triton.cdiv(M_max, bm)
@@ -416,6 +421,7 @@ def _compile_checks():
                 for swiglu, has_rs in ((True, False), (False, True)):
                     for swap in (True, False):
                         sig = {"x_ptr": "*u8" if x_fp4 else "*bf16", "xs_ptr": "*u8", "xgs_ptr": "*fp32",
+                               "XGS_STRIDE": "i32",
                                "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
                                "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
                                "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "K16": "i32", "S": "i32", "M_BUCKET": "i32"}
