@@ -73,13 +73,19 @@ def e4m3_rne(y):
 
 @triton.jit
 def e2m1_codes(v):
-    """fp32 -> E2M1 4-bit codes (int32), ties to even, saturating at +-6, sign bit kept (-0 -> 0x8)."""
-    a = tl.abs(v)
-    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-           + (a > 5.0).to(tl.int32))
-    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-    return mag | (sign << 3)
+    """fp32 -> E2M1 4-bit codes (int32), ties to even, saturating at +-6, sign bit kept (-0 -> 0x8).
+
+    Integer work on the fp32 bits instead of a compare per grid point (this is the kernel's hot loop):
+    for |v| >= 1 an E2M1 value is an fp32 with a 1-bit mantissa, so rounding the mantissa to 1 bit (ties
+    to even; a carry bumps the exponent) gives (biased exponent, bit), and that pair minus 252 is the code;
+    below 1 the codes 0, 1, 2 are rint(2|v|), which adding 2^23 computes in the fp32 add itself.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    r = mag + 0x1FFFFF + ((mag >> 22) & 1)
+    hi = tl.minimum((r >> 22) - 252, 7)
+    lo = (tl.abs(v) * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(mag >= 0x3F800000, hi, lo) | ((bits >> 28) & 8)
 
 
 @triton.jit
