@@ -33,6 +33,9 @@ def test_info_process_exit_code_and_json(tmp_path):
     assert {t["name"] for t in info["transports"]} >= {"torch"}
     assert all("reason" in t for t in info["transports"])
     assert info["versions"]["torch"] == torch.__version__
+    for t in info["transports"]:  # the install hint prints as written (rich would eat "[nccl]" as markup)
+        if not t["available"] and t["install"].startswith("pip"):
+            assert t["install"] in p.stdout, (t["install"], p.stdout)
 
 
 def test_bench_small_preset_writes_json_and_png(tmp_path, capsys):

@@ -203,12 +203,13 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     """A table through rich when installed, else aligned plain text."""
     con = console()
     if con is not None:
+        from rich.markup import escape
         from rich.table import Table
-        t = Table(title=title)
+        t = Table(title=escape(title))
         for c in columns:
-            t.add_column(c, overflow="fold")
-        for r in rows:
-            t.add_row(*[str(v) for v in r])
+            t.add_column(escape(c), overflow="fold")
+        for r in rows:  # cells are text, not markup: "moe-ep[nccl]" must print as written
+            t.add_row(*[escape(str(v)) for v in r])
         con.print(t)
         return
     print(title)
