@@ -55,17 +55,25 @@ def e2m1_values_ref(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _per_row_global_scale(gs: torch.Tensor, lead: int, rows: int) -> torch.Tensor:
-    """Global scale broadcast to ``[lead, 1, 1]`` (one per slice) from a scalar or a ``[lead]`` tensor."""
+    """Global scale broadcast to ``[lead, 1, 1]`` (one per group of rows) from a scalar or ``lead`` values."""
     gs = gs.float().reshape(-1)
     if gs.numel() == 1:
         gs = gs.expand(lead)
     return gs.reshape(lead, 1, 1)
 
 
+def _scale_groups(x: torch.Tensor, global_scale: torch.Tensor) -> int:
+    """How many global scales x's rows use: 1, or n > 1 where scale i covers the i-th of n equal runs of
+    consecutive rows (n = x.shape[0]: one per expert of ``[G, N, K]``; n = all rows: one per row, as
+    received NVFP4 tokens carry their source rank's scale)."""
+    return global_scale.numel() if x.dim() > 1 and global_scale.numel() > 1 else 1
+
+
 def quantize_nvfp4_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None):
     """Reference NVFP4 quantization of ``x [..., K]`` (K % 16 == 0).
 
-    ``global_scale``: a scalar, or one per ``x[i]`` (shape ``[x.shape[0]]``); None computes the scalar
+    ``global_scale``: a scalar, one per ``x[i]`` (shape ``[x.shape[0]]``) or one per row (see
+    ``_scale_groups``); None computes the scalar
     ``2688 / amax(x)``. Returns ``(data uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale)``
     with the scales in the linear layout.
     """
@@ -74,7 +82,7 @@ def quantize_nvfp4_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None
     if global_scale is None:
         global_scale = nvfp4_global_scale_ref(x)
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    lead = shape[0] if (x.dim() > 1 and global_scale.numel() > 1) else 1
+    lead = _scale_groups(x, global_scale)
     xf = x.float().reshape(lead, -1, k // NVFP4_BLOCK, NVFP4_BLOCK)
     gs = _per_row_global_scale(global_scale, lead, xf.shape[1]).unsqueeze(-1)  # [lead, 1, 1, 1]
     amax = xf.abs().amax(dim=-1, keepdim=True)
@@ -90,11 +98,12 @@ def dequantize_nvfp4_ref(data: torch.Tensor, scales: torch.Tensor, global_scale:
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference NVFP4 dequantization: ``(e2m1(q) * float(s)) / gs``, fp32, then cast to ``dtype``.
 
-    ``scales`` in the linear layout ``[..., K/16]``; ``global_scale`` a scalar or one per ``data[i]``.
+    ``scales`` in the linear layout ``[..., K/16]``; ``global_scale`` a scalar, one per ``data[i]`` or one
+    per row.
     """
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2)
     k = codes.shape[-1]
-    lead = data.shape[0] if (data.dim() > 1 and global_scale.numel() > 1) else 1
+    lead = _scale_groups(data, global_scale)
     vals = e2m1_values_ref(codes).reshape(lead, -1, k // NVFP4_BLOCK, NVFP4_BLOCK)
     sf = scales.float().reshape(lead, -1, k // NVFP4_BLOCK, 1)
     gs = _per_row_global_scale(global_scale, lead, vals.shape[1]).unsqueeze(-1)

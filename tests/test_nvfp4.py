@@ -225,3 +225,17 @@ def test_non_finite_unchecked_never_fails(dev):
     # the finite block of the second row is unaffected
     data, _, _ = quantize_nvfp4_ref(x[1:].cpu(), torch.tensor(100.0))
     assert torch.equal(q.data[1:].cpu(), data)
+
+
+def test_dequantize_one_global_scale_per_row_of_a_3d_tensor(dev):
+    """Received tokens [L, R*T, H] carry one global scale per row: dequantize must pair them row by row."""
+    x = torch.randn(2, 3, 32) * torch.tensor([1e-3, 1.0, 1e3]).repeat(2).reshape(2, 3, 1)
+    rows = x.reshape(6, 32).to(dev)
+    q2 = quantize_nvfp4(rows, nvfp4_global_scale(rows, per_slice=True))
+    q3 = NvFp4Tensor(q2.data.reshape(2, 3, 16), q2.scales.reshape(2, 3, 2), q2.global_scale.reshape(2, 3),
+                     torch.Size((2, 3, 32)))
+    y3 = dequantize_nvfp4(q3, torch.float32).cpu()
+    assert torch.equal(y3.reshape(6, 32), dequantize_nvfp4(q2, torch.float32).cpu())
+    ref = dequantize_nvfp4_ref(q3.data.cpu(), q3.scales.cpu(), q3.global_scale.cpu())
+    assert torch.equal(y3, ref)
+    assert ((y3 - x).norm(dim=-1) / x.norm(dim=-1)).max() < 0.2

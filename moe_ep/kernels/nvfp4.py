@@ -33,7 +33,8 @@ class NvFp4Tensor:
     - ``scales``: float8_e4m3fn, linear ``[..., K/16]``, or, when ``swizzled``, the 128x4 layout
       flattened per slice of ``shape[:-2]``: ``[*shape[:-2], Mp * Cp]`` (rows padded to 128, scale
       columns to 4, padding zero).
-    - ``global_scale``: float32, a scalar tensor, or ``[shape[0]]`` (one per slice, e.g. per expert).
+    - ``global_scale``: float32, a scalar tensor, ``[shape[0]]`` (one per slice, e.g. per expert), or
+      one per row (``shape[:-1]``: received tokens keep their source rank's scale).
     Value of element i: ``e2m1(q_i) * float(s_block) / global_scale``.
     """
 
@@ -322,8 +323,9 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     R = q.data.numel() // (K // 2) if K else 0
     out = torch.empty(shape, dtype=dtype, device=q.device)
     gs = q.global_scale.reshape(-1).float().contiguous()
-    lead = shape[0] if len(shape) > 1 else 1
-    rows_per_gs = max(R // lead, 1) if gs.numel() > 1 else max(R, 1)
+    check(gs.numel() == 1 or (R % gs.numel() == 0 and gs.numel() <= max(R, 1)), "q.global_scale.numel()",
+          gs.numel(), f"1, or a divisor of the {R} rows (one scale per equal run of rows)")
+    rows_per_gs = max(R // gs.numel(), 1) if gs.numel() > 1 else max(R, 1)
     _, slice_rows, slice_cp = _scale_layout(shape, q.swizzled, R)
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
