@@ -81,7 +81,8 @@ def quant_cases(b: Bounds = TINY):
 
 
 @st.composite
-def _counts(draw, G: int, max_rows: int) -> list[int]:
+def expert_counts(draw, G: int, max_rows: int) -> list[int]:
+    """Rows per expert: random, all on one expert, or all experts empty."""
     mode = draw(st.sampled_from(["random", "one-expert", "empty"]))
     if mode == "one-expert":
         c = [0] * G
@@ -99,7 +100,7 @@ def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
     G = draw(st.integers(1, b.experts))
     return dict(
         G=G, K=16 * draw(st.integers(1, b.k16)), N=16 * draw(st.integers(1, b.n16)),
-        counts=draw(_counts(G, b.rows)), ragged=draw(st.booleans()),
+        counts=draw(expert_counts(G, b.rows)), ragged=draw(st.booleans()),
         x_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
         swiglu=True if mlp else draw(st.booleans()), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 3)),
         scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),

@@ -19,7 +19,7 @@ from moe_ep import MoEEpConfigError, MoEEpInputError
 from moe_ep.kernels import NvFp4Tensor, expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels import tuning
 from moe_ep.reference import dequantize_nvfp4_ref, expert_mlp_ref, grouped_gemm_ref
-from moe_ep.strategies import make_gemm_operands
+from moe_ep.strategies import expert_counts, make_gemm_operands
 
 GEMM_TOL = 1e-2
 MLP_TOL = 2e-2
@@ -66,23 +66,11 @@ def _acts(x, fmt):
                        q.global_scale, x.shape), dense
 
 
-def _counts(draw, G, max_rows):
-    mode = draw(st.sampled_from(["random", "one-expert", "empty"]))
-    if mode == "one-expert":
-        c = [0] * G
-        c[draw(st.integers(0, G - 1))] = max_rows
-    elif mode == "empty":
-        c = [0] * G
-    else:
-        c = [draw(st.integers(0, max_rows)) for _ in range(G)]
-    return c
-
-
 @st.composite
 def gemm_cases(draw):
     G = draw(st.integers(1, 6))
     return dict(
-        G=G, K=16 * draw(st.integers(1, 6)), N=16 * draw(st.integers(1, 5)), counts=_counts(draw, G, 9),
+        G=G, K=16 * draw(st.integers(1, 6)), N=16 * draw(st.integers(1, 5)), counts=draw(expert_counts(G, 9)),
         ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4", "nvfp4_rows"])),
         w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), swiglu=draw(st.booleans()), row_scale=draw(st.booleans()),
         pad=draw(st.integers(0, 3)), m_hint=draw(st.sampled_from([None, 64])),
@@ -125,7 +113,7 @@ def test_grouped_gemm_matches_reference(dev, c):
 def mlp_cases(draw):
     G = draw(st.integers(1, 4))
     return dict(
-        G=G, H=16 * draw(st.integers(1, 4)), I=16 * draw(st.integers(1, 4)), counts=_counts(draw, G, 7),
+        G=G, H=16 * draw(st.integers(1, 4)), I=16 * draw(st.integers(1, 4)), counts=draw(expert_counts(G, 7)),
         ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4", "nvfp4_rows"])),
         w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 2)),
         scale=1.0, zero_frac=0.0, seed=draw(st.integers(0, 2**16)))
@@ -262,7 +250,7 @@ def test_bad_tuned_config_file_raises(dev, tmp_path, monkeypatch, table):
 def test_compile_checks_cover_every_variant():
     import triton
     seen = set()
-    for fn, sig, const in gg.COMPILE_CHECKS:
+    for fn, sig, const in gg._compile_checks():
         assert not isinstance(fn, triton.runtime.autotuner.Autotuner) and hasattr(fn, "arg_names")
         assert set(sig) == set(fn.arg_names)
         assert all(sig[k] == "constexpr" for k in const)

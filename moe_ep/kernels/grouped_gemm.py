@@ -434,6 +434,3 @@ def _compile_checks():
                         checks.append((_grouped_gemm_kernel, sig, const))
     return checks
 
-
-COMPILE_CHECKS = _compile_checks()
-"""Every (layout, x format, w format, epilogue, operand order) variant of the grouped GEMM kernel."""

@@ -7,8 +7,15 @@ to keep the autotuner itself exercised, few enough to stay quick.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from functools import lru_cache
+
+import torch
 import triton
 
+from ..errors import MoEEpConfigError
 from ..triton_runtime import INTERPRETER
 
 
@@ -32,15 +39,6 @@ def nvfp4_configs() -> list[triton.Config]:
 # ---------------------------------------------------------------------------------------------------
 # Grouped GEMM: autotune space, shape classes, tuned-config files.
 # ---------------------------------------------------------------------------------------------------
-
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-from functools import lru_cache  # noqa: E402
-
-import torch  # noqa: E402
-
-from ..errors import MoEEpConfigError  # noqa: E402
 
 GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
