@@ -30,11 +30,13 @@ def _zero_garbage(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _as_gemm_input(x, valid: torch.Tensor, nvfp4: bool):
-    """NVFP4 tokens as they are; bf16 tokens quantized (one scale, from the valid rows) when NVFP4
-    activations are asked for."""
-    if isinstance(x, NvFp4Tensor) or not nvfp4:
-        return x
+def _needs_quantizing(x, nvfp4: bool) -> bool:
+    """bf16 tokens when NVFP4 activations are asked for (NVFP4 tokens go to the GEMM as they are)."""
+    return nvfp4 and not isinstance(x, NvFp4Tensor)
+
+
+def _quantized(x: torch.Tensor, valid: torch.Tensor) -> NvFp4Tensor:
+    """x quantized with one scale, computed on the device from its valid rows."""
     return quantize_nvfp4(_zero_garbage(x, valid), check_finite=False)
 
 
@@ -49,9 +51,9 @@ def _flat(tokens, M: int, H: int):
 
 def ll_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
     """``[L, R*T, H]`` -> ``[L, R*T, H]``: masked MLP, rows past ``expert_counts`` untouched."""
-    RT = d.tokens.shape[1]
-    valid = torch.arange(RT, device=w.device)[None, :] < d.expert_counts[:, None]
-    x = _as_gemm_input(d.tokens, valid, nvfp4)
+    x = d.tokens
+    if _needs_quantizing(x, nvfp4):
+        x = _quantized(x, torch.arange(x.shape[1], device=w.device)[None, :] < d.expert_counts[:, None])
     return expert_mlp(x, w.w13, w.w2, counts=d.expert_counts)
 
 
@@ -64,7 +66,7 @@ def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_r
                           rows_per_group=rows_per_group)
     H = tokens.shape[-1]
     x = _flat(tokens, M, H)
-    if nvfp4 and not isinstance(x, NvFp4Tensor):  # quantized in the gather, one scale from the valid rows
+    if _needs_quantizing(x, nvfp4):  # quantized in the gather, one scale from the valid rows
         r = torch.arange(M, device=w.device)
         valid = (r % rows_per_group) < valid_rows[r // rows_per_group]
         xs = permute_rows(_zero_garbage(x, valid), route, quantize=True)
@@ -90,8 +92,9 @@ def ht_flat(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
 def ht_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
     offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
-    valid = torch.arange(d.tokens.shape[0], device=w.device) < offsets[-1]
-    x = _as_gemm_input(d.tokens, valid, nvfp4)
+    x = d.tokens
+    if _needs_quantizing(x, nvfp4):
+        x = _quantized(x, torch.arange(x.shape[0], device=w.device) < offsets[-1])
     return expert_mlp(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float())
 
 
