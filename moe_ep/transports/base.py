@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ..config import EpConfig
+from ..errors import MoEEpInputError
 
 
 @dataclass
@@ -64,3 +65,12 @@ def padding_row(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     return (torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device),
             torch.full((1, top_k), -1, dtype=topk_idx.dtype, device=x.device),
             torch.zeros(1, top_k, dtype=topk_weights.dtype, device=x.device))
+
+
+def initialized_rank_world(group, transport: str) -> tuple[int, int]:
+    """(rank, world size) of ``group`` for a transport that needs torch.distributed initialized."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise MoEEpInputError(f"torch.distributed is not initialized; allowed: transport '{transport}' after "
+                              "torch.distributed.init_process_group (world size 1 included)")
+    return dist.get_rank(group), dist.get_world_size(group)

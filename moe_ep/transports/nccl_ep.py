@@ -29,7 +29,8 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
-from .base import DispatchResult, padding_row
+from ..triton_runtime import device as kernel_device
+from .base import DispatchResult, initialized_rank_world, padding_row
 
 HT_MAX_TOKENS_PER_RANK = 8192       # HT kernels' build-time MAX_SUPPORTED_TOKENS_PER_RANK (NCCL contrib/nccl_ep common.hpp)
 NCCL_FLOAT4X2 = 12                  # nccl_ep.h line 22: ncclFloat4x2, not a member of nccl4py's NcclDataType
@@ -72,11 +73,7 @@ class NcclEpTransport:
                  world_size: int | None = None, device=None):
         self.config = c = config
         if rank is None or world_size is None:
-            import torch.distributed as dist
-            if not (dist.is_available() and dist.is_initialized()):
-                raise MoEEpInputError("torch.distributed is not initialized; allowed: transport 'nccl_ep' after "
-                                      "torch.distributed.init_process_group (world size 1 included)")
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            rank, world_size = initialized_rank_world(group, "nccl_ep")
         self.rank, self.world = rank, world_size
         self.L = c.local_experts(world_size)
         self.ht = c.algorithm is Algorithm.HIGH_THROUGHPUT
@@ -94,8 +91,7 @@ class NcclEpTransport:
             raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with NVFP4 activations on "
                                    "transport 'nccl_ep': a multiple of 256 (16-byte rows of e4m3 scales)")
         self.ep = ep = ep if ep is not None else load_nccl_ep()   # after the config checks: they need no library
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else kernel_device()
         self.ep_layout = {Layout.EXPERT_MAJOR: ep.Layout.EXPERT_MAJOR, Layout.RANK_MAJOR: ep.Layout.RANK_MAJOR,
                           Layout.FLAT: ep.Layout.FLAT}[c.layout]
         self.budget = ht_recv_budget(c, world_size) if self.ht else 0

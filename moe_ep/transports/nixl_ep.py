@@ -24,7 +24,8 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
-from .base import DispatchResult, padding_row
+from ..triton_runtime import device as kernel_device
+from .base import DispatchResult, initialized_rank_world, padding_row
 
 _instances = itertools.count()
 # the LL kernels are compiled for these hidden sizes only (SWITCH_HIDDEN in csrc/kernels/launch.cuh of
@@ -79,17 +80,12 @@ class NixlEpTransport:
     def __init__(self, config: EpConfig, group=None, *, nixl=None, store=None, rank: int | None = None,
                  world_size: int | None = None, device=None):
         if rank is None or world_size is None:
-            import torch.distributed as dist
-            if not (dist.is_available() and dist.is_initialized()):
-                raise MoEEpInputError("torch.distributed is not initialized; allowed: transport 'nixl_ep' after "
-                                      "torch.distributed.init_process_group (world size 1 included)")
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            rank, world_size = initialized_rank_world(group, "nixl_ep")
         check_nixl_config(config, world_size)
         self.nixl = nixl if nixl is not None else load_nixl_ep()
         self.config, self.rank, self.world = config, rank, world_size
         self.L = config.local_experts(world_size)
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else kernel_device()
         if store is None:
             import torch.distributed as dist
             from torch.distributed import distributed_c10d as c10d
