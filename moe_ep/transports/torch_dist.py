@@ -32,7 +32,6 @@ from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpConfigError
 from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
 from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
-from ..reference import global_scale_from_amax
 from ..triton_runtime import device as kernel_device
 from .base import DispatchResult
 
@@ -132,9 +131,8 @@ class TorchDistTransport:
         """Send tokens to the ranks owning their picks; returns the config's layout (module docstring)."""
         x, B = hidden_states, hidden_states.shape[0]
         q = None
-        if self.nvfp4:  # this rank's own global scale, on the device (amax 0 of no tokens -> scale 1)
-            amax = torch.cat([x.detach().abs().float().reshape(-1), x.new_zeros(1, dtype=torch.float32)]).amax()
-            q = quantize_nvfp4(x, global_scale_from_amax(amax), check_finite=False)
+        if self.nvfp4:  # this rank's own global scale, on the device (no tokens -> scale 1)
+            q = quantize_nvfp4(x, check_finite=False)
         c = self._compact()
         R, L = self.world, self.L
         st = {"B": B, "topk_weights": topk_weights}
