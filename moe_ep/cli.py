@@ -79,7 +79,6 @@ def _demo(args) -> int:
     import os
     import tempfile
 
-    import torch
     import torch.multiprocessing as mp
 
     from .triton_runtime import INTERPRETER, device

@@ -16,7 +16,13 @@ class MoEEpInputError(MoEEpError, ValueError):
 def check(cond: bool, what: str, value, allowed: str, exc: type = MoEEpInputError) -> None:
     """Raise ``exc`` saying that ``what`` was ``value`` and what is allowed, unless ``cond``."""
     if not cond:
-        raise exc(f"{what} = {value!r}; allowed: {allowed}")
+        fail(what, value, allowed, exc)
+
+
+def fail(what: str, value, allowed: str, exc: type = MoEEpInputError):
+    """Raise ``exc`` saying that ``what`` was ``value`` and what is allowed. Per-step hot paths write
+    ``if not cond: fail(...)`` so the message (f-strings, shape tuples: ~1 us each) is built only on failure."""
+    raise exc(f"{what} = {value!r}; allowed: {allowed}")
 
 
 class MoEEpBackendUnavailable(MoEEpError, RuntimeError):

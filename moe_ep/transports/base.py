@@ -21,7 +21,6 @@ from typing import Protocol
 
 import torch
 
-from ..config import EpConfig
 from ..errors import MoEEpInputError
 
 

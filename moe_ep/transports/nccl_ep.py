@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
-from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
+from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check, fail
 from ..triton_runtime import device as kernel_device
 from .base import DispatchResult, initialized_rank_world, padding_row
 
@@ -208,8 +208,9 @@ class NcclEpTransport:
             hidden_states, topk_idx, topk_weights = self._pad
         x, xs = hidden_states, None
         if self.fp4:
-            check(x.dtype == torch.bfloat16 and x.dim() == 2, "hidden_states", f"{tuple(x.shape)} {x.dtype}",
-                  "bf16 [B, H] (NVFP4 activations are quantized by the transport)")
+            if not (x.dtype == torch.bfloat16 and x.dim() == 2):
+                fail("hidden_states", f"{tuple(x.shape)} {x.dtype}",
+                     "bf16 [B, H] (NVFP4 activations are quantized by the transport)")
             x, xs = self._quantize(x)
         if topk_idx.dtype is not torch.int64:   # staged into an owned buffer: same address every step
             topk_idx = self.bufs["idx_in"][:topk_idx.shape[0]].copy_(topk_idx)

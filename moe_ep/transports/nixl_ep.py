@@ -23,7 +23,7 @@ import itertools
 import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
-from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check
+from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, fail
 from ..triton_runtime import device as kernel_device
 from .base import DispatchResult, initialized_rank_world, padding_row
 
@@ -114,9 +114,10 @@ class NixlEpTransport:
         c = self.config
         x = hidden_states
         B = x.shape[0]
-        check(x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < B <= c.max_tokens_per_rank, "hidden_states",
-              f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with B <= {c.max_tokens_per_rank}")
-        check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
+        if not (x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < B <= c.max_tokens_per_rank):
+            fail("hidden_states", f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with B <= {c.max_tokens_per_rank}")
+        if topk_idx.shape != (B, c.top_k):
+            fail("topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
         idx = topk_idx.contiguous() if topk_idx.dtype == self.nixl.topk_idx_t else \
             self._idx[:B].copy_(topk_idx)          # staged: nixl_ep_cu13.topk_idx_t (int32 in 1.5.1)
         w = topk_weights.contiguous() if topk_weights.dtype == torch.float32 else self._w[:B].copy_(topk_weights)
