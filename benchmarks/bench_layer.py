@@ -2,9 +2,9 @@
 I 2048, top-8; LL at 128 tokens, HT at 4096 tokens, every layout.
 
 Per stage (dispatch, bridge, GEMM1, GEMM2, combine) in microseconds (CUDA events), the whole forward,
-its host overhead (CPU time to enqueue one forward), CUDA-graph replay for LL, and the bridge's gather
-bandwidth against a device copy of the same bytes and against the torch version of the same step, all
-measured in this run. The short table is printed last; ``--out FILE`` writes everything as JSON.
+its host overhead (CPU time to enqueue one forward), CUDA-graph replay for LL, and the bridge's steps
+(gather bandwidth, route, unpermute-reduce; device time, graph-timed) against a device copy of the same
+bytes and against the torch version of the same step, all measured in this run. The short table is printed last; ``--out FILE`` writes everything as JSON.
 
     python benchmarks/bench_layer.py [--weight-format nvfp4] [--out bench_layer.json]
 """
@@ -12,11 +12,15 @@ measured in this run. The short table is printed last; ``--out FILE`` writes eve
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
+import pstats
 import time
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
+import triton
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
 from moe_ep.kernels import grouped_gemm
@@ -35,6 +39,18 @@ def cuda_us(fn, iters: int = 20) -> float:
     return s.elapsed_time(e) / iters * 1e3
 
 
+def graph_us(fn, iters: int = 20) -> float:
+    """Device time of ``fn`` alone: ``iters`` calls captured in one CUDA graph, replayed (no host in the way;
+    eager timing of a small step measures its launches, not its kernels)."""
+    fn()  # autotune / compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    return cuda_us(g.replay, 5) / iters
+
+
 def host_us(fn, iters: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -46,13 +62,27 @@ def host_us(fn, iters: int = 20) -> float:
     return dt / iters * 1e6
 
 
+@triton.jit
+def _empty_kernel(p, n):
+    pass
+
+
+def launch_floor() -> dict:
+    """Host us to enqueue one empty Triton kernel and one tiny torch op: what an eager forward's launches cost
+    before any of our Python runs (the forward launches ~10 kernels and ~10-40 torch ops)."""
+    t = torch.zeros(16, device="cuda")
+    return {"case": "launch floor", "tokens": 0, "triton_launch_host_us": host_us(lambda: _empty_kernel[(1,)](t, 16), 200),
+            "torch_op_host_us": host_us(lambda: t.add_(1), 200)}
+
+
 def torch_route(ids: torch.Tensor, L: int):
-    """The torch version of the bridge's route + gather index: stable sort of the flat ids."""
+    """The torch version of the bridge's route + gather index: stable sort of the flat ids (index_add_, not
+    bincount, so it has no host sync and can be graph-timed like ours)."""
     flat = ids.reshape(-1)
-    key = torch.where(flat >= 0, flat, L)
+    key = torch.where((flat >= 0) & (flat < L), flat, L)
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=L + 1)[:L]
-    return order // ids.shape[1], counts.cumsum(0)
+    counts = torch.zeros(L + 1, dtype=torch.int64, device=ids.device).index_add_(0, key, torch.ones_like(key))
+    return order // ids.shape[1], counts[:L].cumsum(0)
 
 
 def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
@@ -66,6 +96,13 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     w = torch.rand(B, K, device=dev)
     fwd = lambda: layer(x, idx, w, validate=False)  # noqa: E731
     r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": cuda_us(fwd), "host_us": host_us(fwd)}
+    if args.profile:  # where the host time of an eager forward goes (functions by own time)
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [fwd() for _ in range(20)])
+        torch.cuda.synchronize()
+        with open(os.path.join(args.profile, f"host_{alg}_{layout}.txt"), "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
     tr = layer.transport
     r["dispatch_us"] = cuda_us(lambda: tr.dispatch(x, idx, w))
     d = tr.dispatch(x, idx, w)
@@ -91,15 +128,19 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
         nbytes = 2 * total * H * 2
         src = torch.empty(total, H, device=dev, dtype=torch.bfloat16)
         dst = torch.empty_like(src)
-        t_gather = cuda_us(lambda: permute_rows(rows, route))
-        t_copy = cuda_us(lambda: dst.copy_(src))
-        t_torch_gather = cuda_us(lambda: rows.index_select(0, route.row_of_slot[:total].long()))
-        t_route = cuda_us(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group))
-        t_torch_route = cuda_us(lambda: torch_route(ids, L))
-        t_red = cuda_us(lambda: unpermute_reduce(y, route, d.topk_weights.reshape(-1, K)))
+        # bridge steps: device time of the kernels (graph-timed), ours and torch's; eager = with launches
+        src_of_slot = route.row_of_slot[:total].long()
+        t_gather = graph_us(lambda: permute_rows(rows, route))
+        t_copy = graph_us(lambda: dst.copy_(src))
+        t_torch_gather = graph_us(lambda: rows.index_select(0, src_of_slot))
+        t_route = graph_us(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group))
+        t_torch_route = graph_us(lambda: torch_route(ids, L))
+        t_red = graph_us(lambda: unpermute_reduce(y, route, d.topk_weights.reshape(-1, K)))
         slot = route.slot.long()
         wts = d.topk_weights.reshape(-1, K)
-        t_torch_red = cuda_us(lambda: (y[slot.clamp(min=0)].float() * (wts * (slot >= 0))[..., None]).sum(1))
+        t_torch_red = graph_us(lambda: (y[slot.clamp(min=0)].float() * (wts * (slot >= 0))[..., None]).sum(1))
+        r.update(gather_eager_us=cuda_us(lambda: permute_rows(rows, route)),
+                 route_eager_us=cuda_us(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group)))
         r.update(gather_GBps=nbytes / t_gather / 1e3, copy_GBps=nbytes / t_copy / 1e3,
                  torch_gather_GBps=nbytes / t_torch_gather / 1e3, route_us=t_route, torch_route_us=t_torch_route,
                  unpermute_us=t_red, torch_unpermute_us=t_torch_red)
@@ -144,8 +185,11 @@ def main():
     p.add_argument("--bandwidth-tbps", type=float, default=4.26, help="device copy ceiling (DESIGN.md)")
     p.add_argument("--tflops", type=float, default=795.0, help="bf16 dense matmul ceiling (DESIGN.md)")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="folder for cProfile reports of the eager forward's host time")
     args = p.parse_args()
     assert torch.cuda.is_available(), "bench_layer.py needs a CUDA GPU"
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     E, H, I = args.experts, args.hidden, args.inter
@@ -153,7 +197,8 @@ def main():
     w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).bfloat16()
     cases = [("ll", "expert_major", args.ll_tokens), ("ll", "rank_major", args.ll_tokens),
              ("ht", "flat", args.ht_tokens), ("ht", "expert_major", args.ht_tokens)]
-    results = []
+    results = [launch_floor()]
+    print(json.dumps(results[0]))
     for alg, lay, B in cases:
         r = bench_case(alg, lay, B, args, w13, w2)
         results.append(r)
@@ -164,8 +209,10 @@ def main():
     cols = ["dispatch_us", "bridge_us", "gemm1_us", "gemm2_us", "combine_us", "forward_us", "host_us",
             "graph_replay_us", "weight_floor_us", "flop_floor_us"]
     print(f"\n{'case':<16}{'tok':>6}" + "".join(f"{c.replace('_us', ''):>11}" for c in cols) + "   (us)")
-    for r in results:
+    for r in results[1:]:
         print(f"{r['case']:<16}{r['tokens']:>6}" + "".join(f"{r.get(c, float('nan')):>11.1f}" for c in cols))
+    print(f"launch floor (host us): empty Triton kernel {results[0]['triton_launch_host_us']:.1f}, "
+          f"torch op {results[0]['torch_op_host_us']:.1f}")
     print(f"\n{'bridge (GB/s, us)':<16}{'gather':>10}{'copy':>10}{'torch':>10}{'route':>10}{'torch':>10}"
           f"{'unperm':>10}{'torch':>10}")
     for r in results:
