@@ -124,7 +124,8 @@ def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev) -> dict
     """Time each candidate config of shape ``s`` until ``budget_s``; the best and every timing."""
     cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(),
                                               {"M_BUCKET": tuning.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
-                                               "G": s["G"], "SWIGLU": s["swiglu"]}, SWIGLU=s["swiglu"])
+                                               "G": s["G"], "SWIGLU": s["swiglu"]}, SWIGLU=s["swiglu"],
+                                              W_FP4=s["w_fp4"])
     x, w, offsets = _operands(s, dev)
     fn = lambda: gg.grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])  # noqa: E731
     t_start, timings, best = time.perf_counter(), [], None
