@@ -2,10 +2,12 @@
 
 One program quantizes a ``BLOCK_M x BLOCK_K`` tile: per 16-element block it takes the amax, the E4M3
 scale ``e4m3_rne(min(amax / 6 * gs, 448))``, then E2M1 codes of ``x * (gs / s)``, and writes packed
-nibbles plus the scale (linear or 128x4-swizzled). Rounding to E4M3 and E2M1 is done with integer and
-fp32 operations (no fp8 conversion instruction), each an IEEE-exact step the reference also takes, so
-the compiled GPU kernel and the interpreter give the same bits. Divisions use ``div_rn`` (Triton's
-plain ``/`` is an approximate divide on NVIDIA GPUs).
+nibbles plus the scale (linear or 128x4-swizzled). Each step rounds like the reference's IEEE fp32 step:
+the scale through the RNE fp8 conversion (the interpreter casts through torch, which rounds the same
+way), E2M1 by one fp32 add per element (``e2m1_magnitudes``), ``gs / s`` with ``div_rn`` (Triton's
+plain ``/`` is an approximate divide on NVIDIA GPUs) and ``amax / 6`` as an fma-corrected multiply
+(``div6``). On the GPU, bf16 input is unpacked by a few lines of inline PTX; the interpreter, which runs
+no inline asm, takes plain ops that give the same bits.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton.language as tl
 from ..errors import MoEEpInputError, check
 from ..reference import (NVFP4_BLOCK, nvfp4_global_scale_ref, swizzle_scales_ref, swizzled_scale_shape,
                          unswizzle_scales_ref)
-from ..triton_runtime import device as kernel_device
+from ..triton_runtime import INTERPRETER, device as kernel_device
 from . import tuning
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,34 +61,62 @@ class NvFp4Tensor:
 
 @triton.jit
 def e4m3_rne(y):
-    """fp32 y in [0, 448] -> (its E4M3 value as fp32, its E4M3 byte as int32), round to nearest even."""
-    bits = y.to(tl.int32, bitcast=True)
-    # normal range (>= 2^-6): round the fp32 mantissa to 3 bits, ties to even; a carry bumps the exponent
-    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-    byte_n = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-    # subnormal range: adding 2^14 leaves an ulp of 2^-9, so the fp32 add itself rounds to the grid
-    vs = (y + 16384.0) - 16384.0
-    normal = y >= 0.015625
-    val = tl.where(normal, rb.to(tl.float32, bitcast=True), vs)
-    byte = tl.where(normal, byte_n, (vs * 512.0).to(tl.int32))
-    return val, byte
+    """fp32 y in [0, 448] -> (its E4M3 value as fp32, its E4M3 byte as uint8), round to nearest even."""
+    s8 = y.to(tl.float8e4nv)  # cvt.rn.satfinite: RNE, and y <= 448 never saturates
+    return s8.to(tl.float32), s8.to(tl.uint8, bitcast=True)
 
 
 @triton.jit
-def e2m1_codes(v):
-    """fp32 -> E2M1 4-bit codes (int32), ties to even, saturating at +-6, sign bit kept (-0 -> 0x8).
+def div6(a, FMA: tl.constexpr):
+    """fp32 ``a / 6`` rounded to nearest even, for ``a`` a bf16 or fp16 value when ``FMA``.
 
-    Integer work on the fp32 bits instead of a compare per grid point (this is the kernel's hot loop):
-    for |v| >= 1 an E2M1 value is an fp32 with a 1-bit mantissa, so rounding the mantissa to 1 bit (ties
-    to even; a carry bumps the exponent) gives (biased exponent, bit), and that pair minus 252 is the code;
-    below 1 the codes 0, 1, 2 are rint(2|v|), which adding 2^23 computes in the fp32 add itself.
+    Division by a constant as ``q = a * RN(1/6)`` plus one fma correction: checked exhaustively against
+    IEEE division for every finite bf16 and fp16 ``a`` (not for fp32 ``a``, and not with the
+    interpreter's fma, which rounds twice: those divide).
     """
-    bits = v.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    r = mag + 0x1FFFFF + ((mag >> 22) & 1)
-    hi = tl.minimum((r >> 22) - 252, 7)
-    lo = (tl.abs(v) * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    return tl.where(mag >= 0x3F800000, hi, lo) | ((bits >> 28) & 8)
+    if FMA:
+        y: tl.constexpr = 0.1666666716337204  # RN(1/6)
+        q = a * y
+        return tl.fma(tl.fma(q, -6.0, a), y, q)
+    else:
+        return tl.math.div_rn(a, tl.full(a.shape, 6.0, tl.float32))
+
+
+@triton.jit
+def e2m1_magnitudes(v):
+    """fp32 -> magnitudes of the E2M1 codes (ties to even, saturating at 6) in bits 0-2 of a uint32 whose
+    bits 3-22 are 0 (bits 23-30 are not cleared: ``pack_nibbles`` drops them).
+
+    One fp32 add does the rounding: with a = min(|v|, 6) in [2^p, 2^(p+1)) (p = 0 below 1), adding
+    M = 2^(p+22) + 2p ulps leaves an ulp of 2^(p-1), the E2M1 step there, so the add rounds a to the
+    grid (ties to even: 2p is even) and the sum's low mantissa bits are the code (n steps + 2p < 8).
+    """
+    a = tl.minimum(tl.abs(v), 6.0)
+    e = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)
+    m = (e * 0x800002 + 0x0AFFFF02).to(tl.float32, bitcast=True)  # (e + 22) << 23 plus 2 (e - 127) ulps
+    return (a + m).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def pack_nibbles(c, base):
+    """uint32 [A, B, 8] holding 4-bit values in bits 0-3 and 0 in bits 4-22 (bits 23-31 are ignored), plus
+    ``base`` -> uint32 [A, B], element i in nibble i. Shift-adds, no per-element mask: from element 3 on the
+    shift pushes bits 23-31 out of the word, and one mask clears them from elements 0-2."""
+    A: tl.constexpr = c.shape[0]
+    B: tl.constexpr = c.shape[1]
+    ev, od = tl.split(tl.reshape(c, [A, B, 4, 2]))  # elements 0 2 4 6 | 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(ev, [A, B, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(od, [A, B, 2, 2]))
+    c0, c4 = tl.split(e04)
+    c2, c6 = tl.split(e26)
+    c1, c5 = tl.split(o15)
+    c3, c7 = tl.split(o37)
+    hi = base + (c3 << 12)
+    hi = hi + (c4 << 16)
+    hi = hi + (c5 << 20)
+    hi = hi + (c6 << 24)
+    hi = hi + (c7 << 28)
+    return ((c0 + (c1 << 4) + (c2 << 8)) & 0xFFF) | hi
 
 
 @triton.jit
@@ -104,47 +134,101 @@ def swizzled_offset(m, c, CP):
     return ((m // 128) * (CP // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
 
 
+_GPU = tl.constexpr(not INTERPRETER)  # the interpreter runs no inline asm and its fma rounds twice
+
+
+# 8 bf16 (4 words) -> 8 fp32 (low half shifted up, high half masked: one instruction each; the stock
+# conversion spends two on the high half) and, in $8, their sign bits at bits 4i + 3 (the code nibbles'
+# sign bits): prmt's sign-replicating selectors spread each element's sign over a byte, even elements
+# into one word and odd into another, and two masks keep bit 3 / bit 7 of each byte ($9-$15 copy $8)
+_BF16_ASM = tl.constexpr("""{
+.reg .b32 a, b, e, o;
+shl.b32 $0, $16, 16; and.b32 $1, $16, 0xffff0000; shl.b32 $2, $17, 16; and.b32 $3, $17, 0xffff0000;
+shl.b32 $4, $18, 16; and.b32 $5, $18, 0xffff0000; shl.b32 $6, $19, 16; and.b32 $7, $19, 0xffff0000;
+prmt.b32 a, $16, $17, 0xfbd9; prmt.b32 b, $18, $19, 0xfbd9;
+prmt.b32 e, a, b, 0x5410; prmt.b32 o, a, b, 0x7632;
+and.b32 e, e, 0x08080808; and.b32 o, o, 0x80808080; or.b32 $8, e, o;
+mov.b32 $9, $8; mov.b32 $10, $8; mov.b32 $11, $8; mov.b32 $12, $8; mov.b32 $13, $8; mov.b32 $14, $8; mov.b32 $15, $8;
+}""")
+
+
+@triton.jit
+def first(t):
+    """[A, B, 8] -> [A, B]: element 0 of the last dim (splits: no data movement)."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    t, _ = tl.split(tl.reshape(t, [A, B, 4, 2]))
+    t, _ = tl.split(tl.reshape(t, [A, B, 2, 2]))
+    t, _ = tl.split(t)
+    return t
+
+
+@triton.jit
+def unpack_signs(x, ASM: tl.constexpr):
+    """x [A, B, 8] -> (x as fp32 (exact), uint32 [A, B] with the sign bit of x[..., i] at bit 4i + 3)."""
+    if ASM and x.dtype == tl.bfloat16:
+        xf, sg = tl.inline_asm_elementwise(_BF16_ASM, "=r," * 16 + "r,r,r,r", [x], dtype=(tl.float32, tl.uint32),
+                                           is_pure=True, pack=8)
+        return xf, first(sg)
+    else:
+        xf = x.to(tl.float32)
+        return xf, pack_nibbles((xf.to(tl.uint32, bitcast=True) >> 28) & 8, 0)
+
+
 @triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0, "ONE_GS": lambda a: a["rows_per_gs"] >= a["R"]})
 @triton.jit
 def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_per_gs, slice_rows, slice_cp,
-                     K_BUCKET, HAS_IDX: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                     K_BUCKET, HAS_IDX: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_GS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BLOCK_K // 16
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < R
+    sc = pid_k * NB + tl.arange(0, NB)
+    if EVEN_K:
+        mask = rmask[None, :]
+    else:
+        mask = rmask[None, :] & (sc[:, None] < K // 16)
     if HAS_IDX:
         src = tl.load(idx_ptr + rows, mask=rmask, other=-1).to(tl.int64)
-        valid = rmask & (src >= 0)
+        lmask = mask & (src >= 0)[None, :]  # rows of index -1 load zeros, so they are written as zeros
     else:
-        src = rows.to(tl.int64)
-        valid = rmask
-    # load as [rows, blocks, 16] so each 16-block sits in few threads (amax and packing stay in registers)
-    sc = pid_k * NB + tl.arange(0, NB)
-    cols3 = sc[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    x = tl.load(x_ptr + src[:, None, None] * stride_x + cols3,
-                mask=valid[:, None, None] & (cols3 < K), other=0.0).to(tl.float32)
-    gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)
+        src = tl.minimum(rows, R - 1).to(tl.int64)  # tail rows re-read the last row: their results are not stored
+        lmask = mask
+    # tiles are [blocks, rows, ...] (blocks first: Triton then puts a warp's lanes along K, which the scale
+    # store wants too); each 16-block is loaded as two halves of 8 (one 16-byte vector each) with the same
+    # layout, so one thread holds a whole block: amax, rounding and nibble packing stay in its registers
+    xp = x_ptr + src[None, :, None] * stride_x + sc[:, None, None] * 16 + tl.arange(0, 8)[None, None, :]
+    if EVEN_K and not HAS_IDX:
+        x0, sg0 = unpack_signs(tl.load(xp), _GPU)
+        x1, sg1 = unpack_signs(tl.load(xp + 8), _GPU)
+    else:
+        x0, sg0 = unpack_signs(tl.load(xp, mask=lmask[:, :, None], other=0.0), _GPU)
+        x1, sg1 = unpack_signs(tl.load(xp + 8, mask=lmask[:, :, None], other=0.0), _GPU)
+    if ONE_GS:  # one global scale for all rows: no per-row division
+        gs = tl.load(gs_ptr)
+    else:
+        gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)[None, :]
 
-    amax = tl.max(tl.abs(x), axis=2)
-    y = tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)) * gs[:, None], 448.0)
+    amax = tl.maximum(tl.max(tl.abs(x0), axis=2), tl.max(tl.abs(x1), axis=2))
+    y = tl.minimum(div6(amax, _GPU and x_ptr.dtype.element_ty != tl.float32) * gs, 448.0)
     s_val, s_byte = e4m3_rne(y)
-    gs2 = tl.broadcast_to(gs[:, None], s_val.shape)
-    inv = tl.where(s_val > 0, tl.math.div_rn(gs2, tl.where(s_val > 0, s_val, 1.0)), 0.0)
-    codes = e2m1_codes(x * inv[:, :, None])
-    lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, NB, 8, 2]))
-    packed = (lo | (hi << 4)).to(tl.uint8)
-    half3 = sc[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    tl.store(q_ptr + rows.to(tl.int64)[:, None, None] * (K // 2) + half3, packed,
-             mask=rmask[:, None, None] & (half3 < K // 2))
-    smask = rmask[:, None] & (sc[None, :] < K // 16)
+    inv = tl.where(s_val > 0, tl.math.div_rn(tl.broadcast_to(gs, s_val.shape), tl.where(s_val > 0, s_val, 1.0)), 0.0)
+    # code sign = sign of x * inv = sign of x (inv >= +0), so it comes from x's bits
+    w0 = pack_nibbles(e2m1_magnitudes(x0 * inv[:, :, None]), sg0)
+    w1 = pack_nibbles(e2m1_magnitudes(x1 * inv[:, :, None]), sg1)
+    q_off = rows.to(tl.int64)[None, :] * (K // 8) + sc[:, None] * 2
+    tl.store(q_ptr.to(tl.pointer_type(tl.uint32)) + q_off[:, :, None] + tl.arange(0, 2)[None, None, :],
+             tl.join(w0, w1), mask=mask[:, :, None])
     if SWIZZLE:
         m = rows % slice_rows
         base = (rows // slice_rows).to(tl.int64) * (((slice_rows + 127) // 128) * 128 * slice_cp)
-        s_off = base[:, None] + swizzled_offset(m[:, None], sc[None, :], slice_cp)
+        s_off = base[None, :] + swizzled_offset(m[None, :], sc[:, None], slice_cp)
     else:
-        s_off = rows.to(tl.int64)[:, None] * (K // 16) + sc[None, :]
-    tl.store(s_ptr + s_off, s_byte.to(tl.uint8), mask=smask)
+        s_off = rows.to(tl.int64)[None, :] * (K // 16) + sc[:, None]
+    tl.store(s_ptr + s_off, s_byte, mask=mask)
 
 
 @triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
@@ -357,8 +441,9 @@ def _compile_checks():
                 sig = {"x_ptr": f"*{xt}", "idx_ptr": "*i64" if has_idx else f"*{xt}", "gs_ptr": "*fp32",
                        "q_ptr": "*u8", "s_ptr": "*u8", **{a: "i32" for a in (
                            "R", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
-                checks.append((_quantize_kernel.fn, sig, {"HAS_IDX": has_idx, "SWIZZLE": swz, "BLOCK_M": 16,
-                                                          "BLOCK_K": 512}))
+                for fast in (False, True):
+                    checks.append((_quantize_kernel.fn.fn, sig, {"HAS_IDX": has_idx, "SWIZZLE": swz, "BLOCK_M": 16,
+                                                                 "BLOCK_K": 512, "EVEN_K": fast, "ONE_GS": fast}))
         for swz in (False, True):
             sig = {"q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": f"*{xt}",
                    **{a: "i32" for a in ("R", "K", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
