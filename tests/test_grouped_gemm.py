@@ -237,6 +237,20 @@ def test_tuned_config_file_overrides_autotune(dev, tmp_path, monkeypatch):
     assert gg.last_launch["source"] == "autotune"
 
 
+def test_search_off_launches_the_first_suitable_config_untimed(dev, tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.CONFIG_DIR_ENV, str(tmp_path))  # an empty folder: no tuned file for this device
+    monkeypatch.setenv(tuning.SEARCH_ENV, "off")
+    G, K, N = 2, 64, 32
+    x = torch.randn(5, K).bfloat16().to(dev)
+    w = torch.randn(G, N, K).bfloat16().to(dev)
+    offs = torch.tensor([0, 3, 5], device=dev)
+    out = grouped_gemm(x, w, offsets=offs)
+    want = tuning.first_gemm_config(N, K, 3, G, False, False)  # m: ceil(S / G), the default m_hint
+    assert gg.last_launch == {"source": "first-config", "config": want}
+    ref = grouped_gemm_ref(x, w, offsets=offs)
+    assert (out.float() - ref).norm() <= GEMM_TOL * ref.norm()
+
+
 @pytest.mark.parametrize("table", [[1, 2], {tuning.shape_class(32, 32, False, False, False): {"16": {"BLOCK_M": 16}}},
                                    {tuning.shape_class(32, 32, False, False, False): {"16": dict(_ODD, BLOCK_N=24)}}])
 def test_bad_tuned_config_file_raises(dev, tmp_path, monkeypatch, table):

@@ -233,8 +233,9 @@ def add_arguments(parser) -> None:
                         help="example database folder (default: ~/.cache/moe-ep/hypothesis)")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default random)")
     parser.add_argument("--all-configs", action="store_true",
-                        help="let the grouped GEMM autotune over its whole space (default: its quick search, "
-                        "MOE_EP_AUTOTUNE_QUICK, since every new shape would otherwise compile ~10 configs)")
+                        help="let the grouped GEMM autotune over its whole space (default: no search, "
+                        "MOE_EP_AUTOTUNE=off, the first config that suits each shape: every new shape would "
+                        "otherwise time ~10 configs)")
     parser.add_argument("--reproduce", default=None, metavar="VERSION:BLOB",
                         help="replay one failure printed by an earlier run (needs exactly one target)")
 
@@ -322,7 +323,7 @@ def run(args) -> int:
     if args.seconds is not None and args.seconds <= 0:
         raise MoEEpInputError(f"--seconds = {args.seconds}; allowed: a positive number")
     if not args.all_configs:
-        os.environ.setdefault("MOE_EP_AUTOTUNE_QUICK", "1")
+        os.environ.setdefault("MOE_EP_AUTOTUNE", "off")
     sizes = args.sizes or ("tiny" if INTERPRETER or not torch.cuda.is_available() else "gpu")
     db, dev = _database(args), device()
     os.makedirs(db, exist_ok=True)

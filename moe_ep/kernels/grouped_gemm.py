@@ -5,15 +5,19 @@ tile of one expert. Its expert and row tile come from the device-side counts (ma
 alone: each program loads the per-expert counts, takes ``cumsum(cdiv(count, BLOCK_M))`` and finds its
 expert by counting how many prefix sums lie at or below its tile index. So there is no host sync and no
 schedule tensor; the grid is a fixed upper bound and surplus programs exit at once. Empty experts own no
-tiles, and in the masked layout no program reads, computes or writes a row past ``counts[g]``.
+tiles, and in the masked layout no program reads or writes a row past ``counts[g]`` (tile slots past it
+compute on a copy of the expert's last row and are not stored). SwiGLU interleaves each gate row with its up
+row, so one dot per K step covers both.
 
 NVFP4 operands are decoded in registers to bf16 (an E2M1 value times an E4M3 scale is exact in bf16) and
-fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulator. NVFP4 weights are decoded
-by a few integer ops and one bf16x2 fma per pair (inline PTX, :data:`_FP4_ASM`) straight into the layout of
-wgmma's register operand (swapped) with K permuted (:func:`_k_perm`, x follows) so each thread reads whole
-words of packed codes and two scales per row: the decode, not the weight bytes, was the decode-time bound.
-(``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes Triton 3.6's
-compiler on Hopper; the register path is what runs on Blackwell too.)
+fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulator. NVFP4 weights (the
+decode-time bound: instructions, not bytes) are read as int16 words of 4 codes and decoded by 3 integer ops
+and one bf16x2 fma per register pair (inline PTX, :data:`_FP4_ASM`), the E4M3 scales by 2.5 ops each
+(:data:`_SCALE_ASM`); with K permuted (:func:`_dot_k_order`) those registers are wgmma's register operand
+as they are (swapped), with no shuffles, and each thread reads whole vectors of words and 2 scales per row.
+x follows the permutation in registers on its way to shared memory. (``tl.dot_scaled`` is not used: with
+e4m3 scales in 16-blocks it crashes Triton 3.6's compiler on Hopper; the register path is what runs on
+Blackwell too.)
 
 Decode shapes swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
 BLOCK_N weight rows fill its M slot.
@@ -31,56 +35,74 @@ from . import tuning
 from .nvfp4 import NvFp4Tensor, e4m3_values_of_bytes
 
 
-# 4 packed bytes (8 codes) -> lo / hi nibbles as bf16 bit patterns e2m1 * 2^-126 (magnitude into exponent LSBs
-# and mantissa MSB; code 1 lands on a bf16 subnormal, which bf16 fma keeps), times s * 2^118 with one bf16x2 fma per
-# pair: integer ops and no cvt (cvt runs at 1/4 the rate and made the decode, not the weight bytes, the bound).
+# Two int16 words of 4 codes ($4: e0 low, e1 high) -> 4 bf16x2 registers, $i = code i of e0 and of e1: mask, one
+# multiply to put the magnitude into the exponent LSBs / mantissa MSB and the sign into bit 15 (code 1 lands on a bf16
+# subnormal, which bf16 fma keeps), mask, one bf16x2 fma by their block's scale s * 2^118 ($5, the same in both halves).
 _FP4_ASM = tl.constexpr("""{
-.reg .b32 t, u, m, z;
+.reg .b32 m, n, z;
 mov.b32 z, 0x80008000;
-prmt.b32 t, $4, 0, 0x4140;
-prmt.b32 u, $4, 0, 0x4342;
-and.b32 m, t, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, $5, z;
-and.b32 m, u, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $1, m, $6, z;
-and.b32 m, t, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $2, m, $5, z;
-and.b32 m, u, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $3, m, $6, z;
+shr.b32 n, $4, 8;
+and.b32 m, $4, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, $5, z;
+and.b32 m, $4, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $1, m, $5, z;
+and.b32 m, n, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $2, m, $5, z;
+and.b32 m, n, 0x00F000F0; mul.lo.u32 m, m, 0x104; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $3, m, $5, z;
+}""")
+# Two E4M3 bytes (sign ignored) -> s * 2^118 as bf16 each: placed at bits 4-10 of a 16-bit half they are the bf16 of
+# s * 2^-120 (subnormal scales land on bf16 subnormals); two exact bf16x2 multiplies by 2^127 and 2^111 scale them up.
+_SCALE_ASM = tl.constexpr("""{
+.reg .b32 t, c, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $1, $2, 0x4101; shr.b32 t, t, 4; and.b32 t, t, 0x07F007F0;
+mov.b32 c, 0x7F007F00; fma.rn.bf16x2 t, t, c, z;
+mov.b32 c, 0x77007700; fma.rn.bf16x2 $0, t, c, z;
 }""")
 _DECODE_ASM = tl.constexpr(not INTERPRETER)  # the interpreter runs no inline asm: same values, plain ops
 
 
 @triton.jit
-def _fp4_tile(packed, scale_bytes, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed E2M1 bytes [R, BLOCK_K / 2] and their E4M3 scale bytes [R, BLOCK_K / 16] -> bf16 [R, BLOCK_K] in
-    natural k order, holding ``e2m1 * s * 2^-8`` (exact; the caller folds 2^8 into the global scale). The join
-    puts a byte's two nibbles side by side, which is what a thread holds of a wgmma register operand."""
-    s_val, _ = e4m3_values_of_bytes(scale_bytes.to(tl.int32))
-    HK: tl.constexpr = BLOCK_K // 2
+def _fp4_tile(q, scale_bytes, R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K_ORDER: tl.constexpr):
+    """Packed E2M1 codes as int16 words [R, BLOCK_K / 4] (code i of word w: physical k = 4w + i) and their E4M3
+    scale bytes [R, BLOCK_K / 16] -> bf16 [R, BLOCK_K] in the dot's k order (:func:`_dot_k_order`), holding
+    ``e2m1 * s * 2^-8`` (exact; the caller folds 2^8 into the global scale)."""
+    QK: tl.constexpr = BLOCK_K // 4
     if _DECODE_ASM:
-        s = (s_val * 3.3230699894622794e35).to(tl.bfloat16)  # 2^118: exact, s <= 448 keeps it below bf16's max
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, BLOCK_K // 16, 8]), [R, HK])
-        w_lo, w_hi = tl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r,r", [packed, s],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        s = tl.inline_asm_elementwise(_SCALE_ASM, "=r,r,r", [scale_bytes.to(tl.int32)], dtype=tl.bfloat16,
+                                      is_pure=True, pack=2)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, BLOCK_K // 16, 4]), [R, QK])
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r", [q, s], dtype=(tl.bfloat16, ) * 4,
+                                                   is_pure=True, pack=2)
     else:
-        p = packed.to(tl.int32)
-        s = s_val * 64.0  # the fp16 trick below yields e2m1 * 2^-14
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, BLOCK_K // 16, 8]), [R, HK])
-        lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-        w_lo = (lo.to(tl.float32) * s).to(tl.bfloat16)
-        w_hi = (hi.to(tl.float32) * s).to(tl.bfloat16)
-    # physical (c, j, h, e) -> logical k = 16j + 8h + 2c + e (see _k_perm)
-    w = tl.reshape(tl.join(w_lo, w_hi), [R, 4, BLOCK_K // 16, 2, 2])
-    return tl.reshape(tl.permute(w, (0, 2, 3, 1, 4)), [R, BLOCK_K])
+        s_val, _ = e4m3_values_of_bytes(scale_bytes.to(tl.int32))
+        s = tl.reshape(tl.broadcast_to((s_val * 0.00390625)[:, :, None], [R, BLOCK_K // 16, 4]), [R, QK])
+        p = q.to(tl.int32)
+        w0 = _fp4_value(p & 0xF, s)
+        w1 = _fp4_value((p >> 4) & 0xF, s)
+        w2 = _fp4_value((p >> 8) & 0xF, s)
+        w3 = _fp4_value((p >> 12) & 0xF, s)
+    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [R, BLOCK_K])  # physical k order
+    if DOT_K_ORDER:
+        w = _dot_k_order(w, BLOCK_K, False)
+    return w
 
 
 @triton.jit
-def _k_perm(BLOCK_K: tl.constexpr):
-    """Physical k offset (in the tile) of each logical k the NVFP4-weight dot sees. A wgmma register operand
-    gives a thread k = 2c, 2c+1, 2c+8, 2c+9 of every 16-chunk; ordering K so those are physically adjacent
-    hands each thread whole 4 * BLOCK_K / 16 element runs of a row: vector shared loads, 2 scales per row.
-    A permutation of K (applied to x too) leaves the dot unchanged."""
-    l = tl.arange(0, BLOCK_K)
-    p = (l % 8 // 2) * (BLOCK_K // 4) + (l // 16) * 4 + (l // 8 % 2) * 2 + l % 2
-    return tl.max_contiguous(tl.multiple_of(p, 2), 2)  # pairs stay adjacent: 4-byte async copies of x
+def _dot_k_order(t, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr):
+    """A tile [R, BLOCK_K] ([BLOCK_K, R] when K_FIRST) in physical k order -> the k order the NVFP4-weight dot sees
+    (a permutation of K, applied to x too, leaves the dot unchanged). A wgmma register operand gives a thread
+    k = 2c + e + 8h (e, h in {0, 1}) of every 16-chunk j, (2c, 2c + 1) and (2c + 8, 2c + 9) in one register each.
+    Logical k = 16 (2t + jl) + 8h + 2c + e sits at physical ((c * BLOCK_K / 32 + t) * 2 + e) * 4 + 2 jl + h: lane c
+    reads one run of BLOCK_K / 4 codes per row (whole int16 words, 2 scales for BLOCK_K 128), and a register holds
+    the same code position of two adjacent words, so decoding a word pair fills 4 registers with no shuffles. Pure
+    register relabeling for the weights; x (bf16, a few rows) is shuffled in registers on its way to shared memory."""
+    if K_FIRST:
+        R: tl.constexpr = t.shape[1]
+        t = tl.permute(tl.reshape(t, [4, BLOCK_K // 32, 2, 2, 2, R]), (1, 3, 4, 0, 2, 5))
+        out = tl.reshape(t, [BLOCK_K, R])
+    else:
+        R: tl.constexpr = t.shape[0]
+        t = tl.permute(tl.reshape(t, [R, 4, BLOCK_K // 32, 2, 2, 2]), (0, 2, 4, 5, 1, 3))
+        out = tl.reshape(t, [R, BLOCK_K])
+    return out
 
 
 @triton.jit
@@ -120,47 +142,54 @@ def _fp4_value(code, scale):
 
 
 @triton.jit
-def _load_x_fp4(x_ptr, xs_ptr, xrow, rmask, kk, K, SWAP_AB: tl.constexpr):
-    """NVFP4 x at columns kk (any order) -> bf16 [rows, k] ([k, rows] when swapped). Each element loads its
-    own byte and scale (x is the small operand; repeated addresses hit L1): no nibble interleave or scale
-    broadcast through shared memory."""
+def _load_k(ptrs, k, K, EVEN_K: tl.constexpr):
+    """Load a K-step tile; k (broadcast against ptrs) past K reads 0. EVEN_K (K % BLOCK_K == 0): no mask."""
+    if EVEN_K:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=k < K, other=0)
+    return v
+
+
+@triton.jit
+def _load_x_fp4(x_ptr, xs_ptr, xrow, kk, K, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """NVFP4 x at columns kk -> bf16 [rows, k] ([k, rows] when swapped). Each element loads its own byte and
+    scale (x is the small operand; repeated addresses hit L1): no nibble interleave or scale broadcast through
+    shared memory."""
     r = _as_rows(xrow, SWAP_AB)
     k = _as_cols(kk, SWAP_AB)
-    m = _as_rows(rmask, SWAP_AB) & (k < K)
-    b = tl.load(x_ptr + r * (K // 2) + k // 2, mask=m, other=0).to(tl.int32)
-    sb = tl.load(xs_ptr + r * (K // 16) + k // 16, mask=m, other=0).to(tl.int32)
+    b = _load_k(x_ptr + r * (K // 2) + k // 2, k, K, EVEN_K).to(tl.int32)
+    sb = _load_k(xs_ptr + r * (K // 16) + k // 16, k, K, EVEN_K).to(tl.int32)
     s_val, _ = e4m3_values_of_bytes(sb)
     return _fp4_value((b >> ((k & 1) * 4)) & 0xF, s_val)
 
 
 @triton.jit
-def _load_x_cols(x_ptr, xs_ptr, xrow, rmask, kk, K, X_FP4: tl.constexpr, SWAP_AB: tl.constexpr):
+def _load_x_cols(x_ptr, xs_ptr, xrow, kk, K, X_FP4: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     """x at columns kk as bf16: [rows, len(kk)], or [len(kk), rows] when swapped (so no transpose is needed
     before the MMA, where x is the second operand)."""
     if X_FP4:
-        xt = _load_x_fp4(x_ptr, xs_ptr, xrow, rmask, kk, K, SWAP_AB)
+        xt = _load_x_fp4(x_ptr, xs_ptr, xrow, kk, K, SWAP_AB, EVEN_K)
     else:
         k = _as_cols(kk, SWAP_AB)
-        xt = tl.load(x_ptr + _as_rows(xrow, SWAP_AB) * K + k, mask=_as_rows(rmask, SWAP_AB) & (k < K), other=0.0)
+        xt = _load_k(x_ptr + _as_rows(xrow, SWAP_AB) * K + k, k, K, EVEN_K)
     return xt
 
 
 @triton.jit
-def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, nmask, k0, K, K16, W_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += x[rows, k0:k0+BLOCK_K] @ w[wrow, k0:k0+BLOCK_K]^T for one K step (x loaded by the caller)."""
+def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
+                EVEN_K: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += x[rows, k0:k0+BLOCK_K] @ w[wrow, k0:k0+BLOCK_K]^T for one K step (x loaded by the caller, in the
+    dot's k order when W_FP4)."""
     if W_FP4:
-        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        q = tl.load(w_ptr + wrow[:, None] * (K // 2) + hk[None, :], mask=nmask[:, None] & (hk[None, :] < K // 2),
-                    other=0)
-        # row stride K16 is its own argument so Triton specializes it as a multiple of 16: aligned vector loads,
-        # which the pipeliner needs to prefetch the scales asynchronously
+        qk = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # int16 words of 4 codes
+        q = _load_k(w_ptr.to(tl.pointer_type(tl.int16)) + wrow[:, None] * KQ + qk[None, :], qk[None, :], KQ, EVEN_K)
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        sb = tl.load(ws_ptr + wrow[:, None] * K16 + sk[None, :], mask=nmask[:, None] & (sk[None, :] < K16), other=0)
-        w = _fp4_tile(q, sb, BLOCK_N, BLOCK_K)
+        sb = _load_k(ws_ptr + wrow[:, None] * K16 + sk[None, :], sk[None, :], K16, EVEN_K)
+        w = _fp4_tile(q, sb, R, BLOCK_K, SWAP_AB)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=nmask[:, None] & (kk[None, :] < K), other=0.0)
+        w = _load_k(w_ptr + wrow[:, None] * K + kk[None, :], kk[None, :], K, EVEN_K)
     return _mma(acc, xt, w, SWAP_AB)
 
 
@@ -171,12 +200,13 @@ def _grouped_gemm_kernel(
         w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]
         out_ptr, rs_ptr,  # out bf16 [rows, N]; row scale fp32 [rows]
         cnt_ptr,  # masked: counts [G]; ragged: offsets [G+1]
-        G, M_MAX, N, K, K16, S,  # K16 = K // 16
+        G, M_MAX, N, K, S,
+        KQ, K16,  # K // 4, K // 16: own arguments so Triton specializes them as multiples of 16 (aligned NVFP4 rows)
         M_BUCKET,  # autotune key only
         RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr, SWIGLU: tl.constexpr,
         HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-        GROUP_M: tl.constexpr):
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     # program -> (row tile t, column tile): GROUP_M row tiles share a weight column tile while it is in L2
     pid = tl.program_id(0)
     if RAGGED:  # the row-tile upper bound the launcher sized the grid with
@@ -216,46 +246,55 @@ def _grouped_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     NW = 2 * N if SWIGLU else N
-    wrow = g.to(tl.int64) * NW + rn
+    # tile slots past the expert's rows / N load a copy of its last row instead of masking every load (count >= 1
+    # here); the results in those slots are never stored
+    x_rows = row0 + tl.minimum(rm, count - 1)
+    wrow = g.to(tl.int64) * NW + tl.minimum(rn, N - 1)
+    R: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+    if SWIGLU:  # gate row i and its up row (N further down) interleaved: one dot per K step, and the [*, 2I]
+        wrow = tl.reshape(tl.join(wrow, wrow + N), [R])  # intermediate is never written
 
     if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([R, BLOCK_M], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = acc
+        acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if W_FP4:
-            xt = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, k0 + _k_perm(BLOCK_K), K, X_FP4, SWAP_AB)
+        xt = _load_x_cols(x_ptr, xs_ptr, x_rows, k0 + tl.arange(0, BLOCK_K), K, X_FP4, SWAP_AB, EVEN_K)
+        if W_FP4 and SWAP_AB:
+            xt = _dot_k_order(xt, BLOCK_K, True)
+        acc = _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4, SWAP_AB, EVEN_K, R, BLOCK_K)
+    if SWIGLU:
+        if SWAP_AB:
+            acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
         else:
-            xt = _load_x_cols(x_ptr, xs_ptr, xrow, rmask, k0 + tl.arange(0, BLOCK_K), K, X_FP4, SWAP_AB)
-        acc = _accumulate(acc, xt, w_ptr, ws_ptr, wrow, nmask, k0, K, K16, W_FP4, SWAP_AB, BLOCK_N, BLOCK_K)
-        if SWIGLU:  # the matching up rows (N further down), so the [*, 2I] intermediate is never written
-            acc_up = _accumulate(acc_up, xt, w_ptr, ws_ptr, wrow + N, nmask, k0, K, K16, W_FP4, SWAP_AB, BLOCK_N,
-                                 BLOCK_K)
+            acc, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    else:
+        acc_up = acc
 
     if W_FP4:  # global scales: value = e2m1 * s / gs, so divide the fp32 sums once (256: the weight tiles
         inv = 256.0 / tl.load(wgs_ptr + g)  # hold e2m1 * s / 256)
         acc = acc * inv
         acc_up = acc_up * inv
     if X_FP4:
-        xinv = _as_rows(1.0 / tl.load(xgs_ptr + xrow * XGS_STRIDE, mask=rmask, other=1.0), SWAP_AB)
+        xinv = _as_rows(1.0 / tl.load(xgs_ptr + x_rows * XGS_STRIDE), SWAP_AB)
         acc = acc * xinv
         acc_up = acc_up * xinv
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if HAS_RS:
-        acc = acc * _as_rows(tl.load(rs_ptr + xrow, mask=rmask, other=0.0), SWAP_AB)
+        acc = acc * _as_rows(tl.load(rs_ptr + x_rows), SWAP_AB)
     ptrs = out_ptr + _as_rows(xrow * N, SWAP_AB) + _as_cols(rn, SWAP_AB)
     tl.store(ptrs, acc.to(tl.bfloat16), mask=_as_rows(rmask, SWAP_AB) & _as_cols(nmask, SWAP_AB))
 
 
 _KEY = ["M_BUCKET", "N", "K", "RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS"]
+_launch = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_grouped_gemm_kernel)
 _autotuned = triton.autotune(configs=tuning.grouped_gemm_configs(), key=_KEY,
-                             prune_configs_by={"early_config_prune": tuning.prune_grouped_gemm_configs})(
-                                 _grouped_gemm_kernel)
+                             prune_configs_by={"early_config_prune": tuning.prune_grouped_gemm_configs})(_launch)
 
 last_launch: dict = {}
-"""What the latest :func:`grouped_gemm` call launched: ``source`` ("tuned-file" or "autotune") and ``config``
+"""What the latest :func:`grouped_gemm` call launched: ``source`` ("tuned-file", "first-config" under
+``MOE_EP_AUTOTUNE=off``, or "autotune") and ``config``
 (the config the autotuner picked is known after the call)."""
 
 
@@ -301,7 +340,7 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
     can be captured in a CUDA graph once autotuning has run for its shape):
 
     - masked: ``x [G, M_max, K]``, ``counts [G]``; returns ``[G, M_max, N]``. Rows ``>= counts[g]`` are
-      never read, computed or written (the output is allocated with ``torch.empty``: they hold garbage).
+      never read or written (the output is allocated with ``torch.empty``: they hold garbage).
     - ragged: ``x [S, K]`` sorted by expert, ``offsets [G+1]`` (nondecreasing, in ``[0, S]``); rows
       ``offsets[g]:offsets[g+1]`` belong to expert g. Returns ``[S, N]``; rows outside every expert are
       not written.
@@ -374,18 +413,20 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
 
     flags = dict(RAGGED=ragged, X_FP4=x_fp4, W_FP4=w_fp4, SWIGLU=bool(swiglu), HAS_RS=row_scale is not None,
                  BLOCK_G=max(triton.next_power_of_2(G), 2))
-    tuned = tuning.tuned_gemm_config(N, K, m, x_fp4, w_fp4, bool(swiglu))
+    tuned, source = tuning.tuned_gemm_config(N, K, m, x_fp4, w_fp4, bool(swiglu)), "tuned-file"
+    if tuned is None and tuning.search_off():
+        tuned, source = tuning.first_gemm_config(N, K, m, G, w_fp4, bool(swiglu)), "first-config"
     if tuned is not None:
         cfg = dict(tuned)
         grid = (tiles_m(cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _grouped_gemm_kernel[grid](*args, G, M_max, N, K, K // 16, S, tuning.m_bucket(m), **flags, **cfg)
-        last_launch.update(source="tuned-file", config=cfg)
+        _launch[grid](*args, G, M_max, N, K, S, K // 4, K // 16, tuning.m_bucket(m), **flags, **cfg)
+        last_launch.update(source=source, config=cfg)
         return out
 
     def grid(meta):
         return (tiles_m(meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _autotuned[grid](*args, G, M_max, N, K, K // 16, S, tuning.m_bucket(m), **flags)
+    _autotuned[grid](*args, G, M_max, N, K, S, K // 4, K // 16, tuning.m_bucket(m), **flags)
     best = getattr(_autotuned, "best_config", None)
     last_launch.update(source="autotune", config=dict(best.all_kwargs()) if best is not None else None)
     return out
@@ -424,11 +465,13 @@ def _compile_checks():
                                "XGS_STRIDE": "i32",
                                "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
                                "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
-                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "K16": "i32", "S": "i32", "M_BUCKET": "i32"}
+                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "S": "i32", "KQ": "i32",
+                               "K16": "i32", "M_BUCKET": "i32"}
                         const = {"RAGGED": ragged, "X_FP4": x_fp4, "W_FP4": w_fp4, "SWIGLU": swiglu,
                                  "HAS_RS": has_rs, "BLOCK_G": 32,
                                  "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
-                                 "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8}
+                                 "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8,
+                                 "EVEN_K": ragged}  # both load paths, over the variants
                         for name in const:
                             sig[name] = "constexpr"
                         checks.append((_grouped_gemm_kernel, sig, const))

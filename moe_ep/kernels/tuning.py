@@ -43,6 +43,7 @@ def nvfp4_configs() -> list[triton.Config]:
 GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
 QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape class
+SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no search, the first config that suits the shape (fuzzing)
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": swap AB so the tokens sit in the MMA's N slot
 FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
@@ -135,6 +136,20 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     return keep
 
 
+def search_off() -> bool:
+    """True when ``MOE_EP_AUTOTUNE=off``: shapes without a tuned config run :func:`first_gemm_config`."""
+    return os.environ.get(SEARCH_ENV, "").lower() == "off"
+
+
+@lru_cache(maxsize=None)
+def first_gemm_config(n: int, k: int, m: int, groups: int, w_fp4: bool, swiglu: bool) -> dict:
+    """The first config of the space that suits the shape, unbenchmarked: a fuzz run meets thousands of shapes,
+    and timing every config of each would cost far more than the checks themselves."""
+    c = prune_grouped_gemm_configs(grouped_gemm_configs(), {"M_BUCKET": m_bucket(m), "N": n, "K": k, "G": groups},
+                                   SWIGLU=swiglu, W_FP4=w_fp4)[0]
+    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
 def shape_class(n: int, k: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> str:
     """The tuned-config file key of a GEMM shape (tokens-per-expert bucket is the inner key)."""
     return f"n{n}_k{k}_x{'nvfp4' if x_fp4 else 'bf16'}_w{'nvfp4' if w_fp4 else 'bf16'}{'_swiglu' if swiglu else ''}"
@@ -142,7 +157,12 @@ def shape_class(n: int, k: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> str:
 
 def device_name() -> str:
     """File-name form of the current device's name, e.g. ``NVIDIA_H200`` (``cpu`` without CUDA)."""
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return _device_name(torch.cuda.current_device() if torch.cuda.is_available() else -1)
+
+
+@lru_cache(maxsize=None)
+def _device_name(index: int) -> str:  # cached: reading the device properties costs ~25 us per kernel call
+    name = torch.cuda.get_device_name(index) if index >= 0 else "cpu"
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip())
 
 
@@ -194,21 +214,30 @@ def tuned_gemm_config(n: int, k: int, m: int, x_fp4: bool, w_fp4: bool, swiglu: 
     File format (vLLM style): ``{shape_class: {"<tokens-per-expert bucket>": {BLOCK_M, BLOCK_N, BLOCK_K,
     SWAP_AB, GROUP_M, num_warps, num_stages}}}``; the nearest bucket present is used.
     """
-    key = shape_class(n, k, x_fp4, w_fp4, swiglu)
+    key, want = shape_class(n, k, x_fp4, w_fp4, swiglu), m_bucket(m)
     for d in config_dirs():
         path = os.path.join(d, device_name() + ".json")
-        if not os.path.isfile(path):
-            continue
-        by_m = _load_file(path, os.path.getmtime(path)).get(key)
-        if not by_m:
-            continue
-        if not isinstance(by_m, dict):
-            raise MoEEpConfigError(f"{path}[{key!r}] = {by_m!r}; allowed: {{bucket: config}}")
         try:
-            buckets = {int(b): c for b, c in by_m.items()}
-        except ValueError as e:
-            raise MoEEpConfigError(f"{path}[{key!r}] keys = {list(by_m)}; allowed: integers") from e
-        want = m_bucket(m)
-        best = min(buckets, key=lambda b: (abs(b - want), b))
-        return _validate(buckets[best], f"{path}[{key!r}][{best}]")
+            mtime = os.stat(path).st_mtime  # one stat per call: an edited file (moe-ep tune) is picked up
+        except OSError:
+            continue
+        cfg = _lookup(path, mtime, key, want)
+        if cfg is not None:
+            return cfg
     return None
+
+
+@lru_cache(maxsize=4096)
+def _lookup(path: str, mtime: float, key: str, want: int) -> dict | None:
+    """The validated config of ``key`` nearest to bucket ``want`` in one file version (callers copy it)."""
+    by_m = _load_file(path, mtime).get(key)
+    if not by_m:
+        return None
+    if not isinstance(by_m, dict):
+        raise MoEEpConfigError(f"{path}[{key!r}] = {by_m!r}; allowed: {{bucket: config}}")
+    try:
+        buckets = {int(b): c for b, c in by_m.items()}
+    except ValueError as e:
+        raise MoEEpConfigError(f"{path}[{key!r}] keys = {list(by_m)}; allowed: integers") from e
+    best = min(buckets, key=lambda b: (abs(b - want), b))
+    return _validate(buckets[best], f"{path}[{key!r}][{best}]")
