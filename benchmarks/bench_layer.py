@@ -17,6 +17,7 @@ import json
 import os
 import pstats
 import time
+import warnings
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
@@ -96,7 +97,13 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     w = torch.rand(B, K, device=dev)
     fwd = lambda: layer(x, idx, w, validate=False)  # noqa: E731
     r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": cuda_us(fwd), "host_us": host_us(fwd)}
-    if args.profile:  # where the host time of an eager forward goes (functions by own time)
+    if args.profile:  # where the host time of an eager forward goes: host syncs, then functions by own time
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as syncs:
+            warnings.simplefilter("always")
+            fwd()
+        torch.cuda.set_sync_debug_mode("default")
+        r["host_syncs"] = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}" for w in syncs]
         prof = cProfile.Profile()
         prof.runcall(lambda: [fwd() for _ in range(20)])
         torch.cuda.synchronize()
