@@ -233,6 +233,8 @@ def test_tuned_config_file_overrides_autotune(dev, tmp_path, monkeypatch):
     assert (out[0, :5].float() - ref[0, :5]).norm() <= GEMM_TOL * ref[0, :5].norm()
     grouped_gemm(x, w, counts=cnt, swiglu=True, m_hint=200)  # nearest bucket
     assert gg.last_launch["config"] == other
+    grouped_gemm(x, w, counts=cnt, swiglu=True, m_hint=100)  # 128: nearer 256 than 16 by ratio (16 by difference)
+    assert gg.last_launch["config"] == other
     grouped_gemm(x, w[:, :N].contiguous(), counts=cnt)  # another shape class: not in the file
     assert gg.last_launch["source"] == "autotune"
 

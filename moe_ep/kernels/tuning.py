@@ -8,6 +8,7 @@ to keep the autotuner itself exercised, few enough to stay quick.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from functools import lru_cache
@@ -43,7 +44,7 @@ def nvfp4_configs() -> list[triton.Config]:
 GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
 QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape class
-SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no search, the first config that suits the shape (fuzzing)
+SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no config search, first configs untimed (fuzzing: see launch())
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": swap AB so the tokens sit in the MMA's N slot
 FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
@@ -137,8 +138,18 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
 
 
 def search_off() -> bool:
-    """True when ``MOE_EP_AUTOTUNE=off``: shapes without a tuned config run :func:`first_gemm_config`."""
+    """True when ``MOE_EP_AUTOTUNE=off``: autotuned kernels run their first config (:func:`launch`), and GEMM
+    shapes without a tuned config :func:`first_gemm_config`."""
     return os.environ.get(SEARCH_ENV, "").lower() == "off"
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` for a ``triton.autotune`` kernel; under ``MOE_EP_AUTOTUNE=off`` its first
+    config instead, untimed (a fuzz run meets hundreds of new keys; timing every config of each dominated it)."""
+    if not search_off():
+        return kernel[grid](*args, **kwargs)
+    cfg = kernel.configs[0]
+    return kernel.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **kwargs, **cfg.all_kwargs())
 
 
 @lru_cache(maxsize=None)
@@ -212,7 +223,8 @@ def tuned_gemm_config(n: int, k: int, m: int, x_fp4: bool, w_fp4: bool, swiglu: 
     """The tuned config for this shape from ``<dir>/<device_name>.json``, or None (then autotune).
 
     File format (vLLM style): ``{shape_class: {"<tokens-per-expert bucket>": {BLOCK_M, BLOCK_N, BLOCK_K,
-    SWAP_AB, GROUP_M, num_warps, num_stages}}}``; the nearest bucket present is used.
+    SWAP_AB, GROUP_M, num_warps, num_stages}}}``; the nearest bucket present is used, nearest by ratio (with
+    buckets 16 and 1024, 256 tokens per expert take the 1024 config, not the 16-token decode one).
     """
     key, want = shape_class(n, k, x_fp4, w_fp4, swiglu), m_bucket(m)
     for d in config_dirs():
@@ -239,5 +251,5 @@ def _lookup(path: str, mtime: float, key: str, want: int) -> dict | None:
         buckets = {int(b): c for b, c in by_m.items()}
     except ValueError as e:
         raise MoEEpConfigError(f"{path}[{key!r}] keys = {list(by_m)}; allowed: integers") from e
-    best = min(buckets, key=lambda b: (abs(b - want), b))
+    best = min(buckets, key=lambda b: (abs(math.log2(max(b, 1) / want)), b))
     return _validate(buckets[best], f"{path}[{key!r}][{best}]")
