@@ -136,6 +136,21 @@ def test_per_slice_global_scale(dev):
             assert ((y[e] - w[e]).norm() / w[e].norm()) < 0.16
 
 
+def test_search_off_runs_the_first_config_untimed(dev, monkeypatch):
+    from moe_ep.kernels import nvfp4, tuning
+    monkeypatch.setenv(tuning.SEARCH_ENV, "off")
+    kernel = nvfp4._quantize_kernel
+    monkeypatch.setattr(kernel, "cache", {})  # every key new: a search would time configs and fill it
+    x = torch.randn(5, 48 * 16)
+    gs = nvfp4_global_scale(x.to(dev))
+    q = quantize_nvfp4(x.to(dev), gs)
+    assert_same_codes(q, x, gs.cpu())
+    assert kernel.cache == {}  # nothing was timed
+    monkeypatch.setenv(tuning.SEARCH_ENV, "on")
+    quantize_nvfp4(x.to(dev), gs)
+    assert len(kernel.cache) == 1  # the check above can fail: with the search on, the key is timed
+
+
 @given(st.integers(1, 300), st.integers(1, 12), st.integers(0, 2))
 def test_swizzle_roundtrip(rows, cols, lead):
     shape = (2,) * lead + (rows, cols)
