@@ -128,8 +128,19 @@ def picked(w, ids):
     return torch.where(ids >= 0, w.float(), 0.0)
 
 
-def valid_rows(res, config, world):
-    """{key: sorted list of row bytes} for the rows the layout says are valid (tokens + ids + weights)."""
+def by_id(ids, w):
+    """A row's (id, weight) pairs sorted by id: the picks as a set, whatever order a transport keeps them in."""
+    order = ids.argsort(-1, stable=True)
+    return ids.gather(-1, order), w.gather(-1, order)
+
+
+def valid_rows(res, config, world, any_pick_order=False):
+    """{key: sorted list of row bytes} for the rows the layout says are valid (tokens + ids + weights);
+    ``any_pick_order``: a row's picks compared as a set."""
+    def picks(ids, w):
+        w = picked(w, ids)
+        return by_id(ids.int(), w) if any_pick_order else (ids.int(), w)
+
     def rb(*ts, ids=None):   # rows whose picks are all -1 carry no work: transports may or may not send them
         keep = range(ts[0].shape[0]) if ids is None else (ids >= 0).any(-1).nonzero().flatten().tolist()
         return [b"".join(t[i].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in ts) for i in keep]
@@ -145,11 +156,11 @@ def valid_rows(res, config, world):
     elif config.layout is Layout.RANK_MAJOR:
         for r, n in enumerate(res.src_rank_counts.tolist()):
             ids = res.topk_idx[r, :n]
-            out[r] = sorted(rb(res.tokens[r, :n], ids.int(), picked(res.topk_weights[r, :n], ids), ids=ids))
+            out[r] = sorted(rb(res.tokens[r, :n], *picks(ids, res.topk_weights[r, :n]), ids=ids))
     elif config.layout is Layout.FLAT:
         n = int(res.num_recv)
         ids = res.topk_idx[:n]
-        out[0] = sorted(rb(res.tokens[:n], ids.int(), picked(res.topk_weights[:n], ids), ids=ids))
+        out[0] = sorted(rb(res.tokens[:n], *picks(ids, res.topk_weights[:n]), ids=ids))
     else:
         for e, (o, n) in enumerate(zip(res.expert_offsets.tolist(), res.expert_counts.tolist())):
             out[e] = sorted(rb(res.tokens[o:o + n], res.topk_weights[o:o + n].view(-1, 1)))
@@ -182,10 +193,12 @@ def run_case(name, alg, lay, args, rank, world, dev):
             row["max_abs_err_vs_toy"] = (out.float() - ref).abs().max().item()
             row["ok_vs_toy"] = bool(torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2))
         mine = valid_rows(res, c, world)   # read before the portable transport runs (buffers are reused)
+        mine_set = valid_rows(res, c, world, any_pick_order=True)
         try:
             pt = make("torch", c, None)
             pres = pt.dispatch(x, idx, w)
             row["dispatch_bitexact_vs_torch"] = mine == valid_rows(pres, c, world)
+            row["dispatch_equal_up_to_pick_order"] = mine_set == valid_rows(pres, c, world, any_pick_order=True)
             if not args.nvfp4:
                 pout = pt.combine(toy_compute(pres, c, rank, world))
                 row["combine_bitexact_vs_torch"] = bool(torch.equal(out, pout))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import MoEEpInputError, check
+from ..errors import check
 from ..triton_runtime import INTERPRETER, device as kernel_device
 from . import tuning
 from .nvfp4 import NvFp4Tensor, e4m3_values_of_bytes
