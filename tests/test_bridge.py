@@ -51,6 +51,18 @@ def test_route_matches_reference_exactly(case):
     assert torch.equal(r.row_of_slot, row_of_slot)
 
 
+@given(routes())
+def test_route_in_many_chunks_matches_reference_exactly(case):
+    """Chunks of 16 ids: the histogram / scan / placement launches, which real shapes take above 4096 ids."""
+    import moe_ep.kernels.bridge as bridge
+    old = bridge._ROUTE_CHUNK, bridge._ROUTE_ONE_LAUNCH
+    bridge._ROUTE_CHUNK, bridge._ROUTE_ONE_LAUNCH = 16, 8
+    try:
+        test_route_matches_reference_exactly.hypothesis.inner_test(case)
+    finally:
+        bridge._ROUTE_CHUNK, bridge._ROUTE_ONE_LAUNCH = old
+
+
 @given(routes(), st.sampled_from([32, 64]), st.sampled_from(["normal", "zeros", "large"]))
 def test_permute_and_unpermute_reduce(case, H, values):
     dev = device()

@@ -3,9 +3,11 @@
 Given ``topk_idx [M, K]`` of *local* expert ids (-1, or any id outside ``[0, L)``, = "not here"):
 
 * :func:`route_experts` — per-expert ``counts [L]``, ``offsets [L+1]`` (exclusive scan) and a slot for every
-  valid pick ``(row, k)``. Within an expert, slots follow ascending ``(row, k)``: one program per expert walks
-  the flattened ids in order keeping a running count (an exclusive prefix over a one-hot), so the order is
-  fixed by construction, never by atomics.
+  valid pick ``(row, k)``. Within an expert, slots follow ascending ``(row, k)``, fixed by construction, never
+  by atomics: the flattened ids are cut into chunks; each chunk's histogram, an exclusive scan over experts
+  then chunks gives every (chunk, expert) its first slot, and a chunk sorts its (expert, position) keys so
+  the j-th pick of expert e in the chunk lands at that first slot + j. One launch when the ids fit one
+  chunk (up to 4096 ids: decode), three otherwise (histograms, scan, placement), each parallel over chunks.
 * :func:`permute_rows` — gather rows into the expert-sorted buffer ``[M*K, H]`` (or quantize them to NVFP4
   on the way, through ``gather_quantize_nvfp4``).
 * :func:`unpermute_reduce` — ``out[row] = sum_k w[row, k] * y[slot(row, k)]`` in fp32; rows without a
@@ -28,7 +30,8 @@ from ..triton_runtime import INTERPRETER
 from . import tuning
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4
 
-_ROUTE_BLOCK = 1024  # ids per step of one expert's walk
+_ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
+_ROUTE_ONE_LAUNCH = 4096  # up to this many ids one program does it all: one launch for decode-sized routes
 
 
 @dataclass
@@ -54,42 +57,70 @@ def _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID: tl.cons
 
 
 @triton.jit
-def _route_kernel(idx_ptr, valid_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr, N, K,
-                  ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
-    # program e < L owns expert e; program L writes the total and the "not here" markers
-    e = tl.program_id(0)
-    below = tl.zeros((), tl.int32)
-    here = tl.zeros((), tl.int32)
-    start = 0
-    while start < N:  # (while: the interpreter cannot take a runtime-bounded range)
-        i = start + tl.arange(0, BLOCK)
-        start += BLOCK
-        ids = _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID)
-        below += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), axis=0)
-        here += tl.sum((ids == e).to(tl.int32), axis=0)
-    tl.store(offsets_ptr + e, below)
-    if e < L:
-        tl.store(counts_ptr + e, here)
-        run = below
-        start = 0
-        while start < N:
-            i = start + tl.arange(0, BLOCK)
-            start += BLOCK
-            ids = _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID)
-            mine = (ids == e).to(tl.int32)
-            pos = run + tl.cumsum(mine, axis=0) - mine  # exclusive prefix: earlier picks of e
-            hit = mine != 0
-            tl.store(slot_ptr + i, pos, mask=hit)
-            tl.store(row_of_slot_ptr + pos, i // K, mask=hit)
-            run += tl.sum(mine, axis=0)
+def _chunk_bins(idx_ptr, valid_ptr, c, N, K, ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr, CHUNK: tl.constexpr):
+    """Flat pick indices of chunk c and their bins: the local expert id, or L for "not here" (and past N)."""
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ids = _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID)
+    return i, tl.where(ids >= 0, ids, L)
+
+
+@triton.jit
+def _route_hist_kernel(idx_ptr, valid_ptr, hist_ptr, N, K, ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr,
+                       CHUNK: tl.constexpr, LP: tl.constexpr):
+    c = tl.program_id(0)
+    _, e = _chunk_bins(idx_ptr, valid_ptr, c, N, K, ROWS_PER_GROUP, L, HAS_VALID, CHUNK)
+    tl.store(hist_ptr + c * LP + tl.arange(0, LP), tl.histogram(e, LP))
+
+
+@triton.jit
+def _route_scan_kernel(hist_ptr, first_ptr, counts_ptr, offsets_ptr, C, L, LP: tl.constexpr):
+    # one program: expert totals, offsets, and the first slot of every (chunk, expert)
+    b = tl.arange(0, LP)
+    tot = tl.zeros([LP], tl.int32)
+    c = 0
+    while c < C:  # (while: the interpreter cannot take a runtime-bounded range)
+        tot += tl.load(hist_ptr + c * LP + b)
+        c += 1
+    tot = tl.where(b < L, tot, 0)
+    run = tl.cumsum(tot, 0) - tot  # at b = L: the number of valid picks
+    tl.store(counts_ptr + b, tot, mask=b < L)
+    tl.store(offsets_ptr + b, run, mask=b <= L)
+    c = 0
+    while c < C:
+        tl.store(first_ptr + c * LP + b, run)
+        run += tl.where(b < L, tl.load(hist_ptr + c * LP + b), 0)
+        c += 1
+
+
+@triton.jit
+def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, first_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr,
+                        N, K, ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                        CHUNK: tl.constexpr, LP: tl.constexpr):
+    c = tl.program_id(0)
+    i, e = _chunk_bins(idx_ptr, valid_ptr, c, N, K, ROWS_PER_GROUP, L, HAS_VALID, CHUNK)
+    b = tl.arange(0, LP)
+    if ONE_CHUNK:  # histogram and scan in this program: one launch for decode-sized routes
+        hist = tl.histogram(e, LP)
+        tot = tl.where(b < L, hist, 0)
+        first = tl.cumsum(tot, 0) - tot
+        tl.store(counts_ptr + b, tot, mask=b < L)
+        tl.store(offsets_ptr + b, first, mask=b <= L)
+        total = tl.sum(tot, 0)
     else:
-        start = 0
-        while start < N:
-            i = start + tl.arange(0, BLOCK)
-            start += BLOCK
-            ids = _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID)
-            tl.store(slot_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=(i < N) & (ids < 0))
-            tl.store(row_of_slot_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=(i < N) & (i >= below))
+        hist = tl.load(hist_ptr + c * LP + b)
+        first = tl.load(first_ptr + c * LP + b)
+        total = tl.load(offsets_ptr + L)
+    # sorting (bin, position) keys groups the chunk's picks by expert in ascending position: the j-th key
+    # sorted is pick number j - start[bin] of its expert in this chunk, whose slot is first[bin] + that
+    start = tl.cumsum(hist, 0) - hist
+    key = tl.sort(e * CHUNK + tl.arange(0, CHUNK))
+    kb = key // CHUNK
+    ki = c * CHUNK + key % CHUNK
+    slot = tl.gather(first - start, kb, 0) + tl.arange(0, CHUNK)
+    here = kb < L
+    tl.store(slot_ptr + ki, tl.where(here, slot, -1), mask=ki < N)
+    tl.store(row_of_slot_ptr + slot, ki // K, mask=here)
+    tl.store(row_of_slot_ptr + i, tl.full((CHUNK,), -1, tl.int32), mask=(i < N) & (i >= total))
 
 
 def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows: torch.Tensor | None = None,
@@ -117,10 +148,26 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
               "a positive int (with valid_rows)")
         check(valid_rows.device == dev, "valid_rows.device", str(valid_rows.device), str(dev))
         valid_rows = valid_rows.to(torch.int32).contiguous()
-    block = _ROUTE_BLOCK if not INTERPRETER else max(16, triton.next_power_of_2(max(N, 1)))
-    _route_kernel[(L + 1,)](topk_idx.contiguous(), valid_rows if has_valid else counts, counts, offsets, slot,
-                            row_of_slot, N, K, rows_per_group or 1, L, HAS_VALID=has_valid,
-                            BLOCK=min(block, 4096), num_warps=4)
+    if N == 0:
+        offsets.zero_()
+        counts.zero_()
+        return Route(counts, offsets, slot, row_of_slot)
+    chunk = max(16, triton.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
+    C, LP = triton.cdiv(N, chunk), triton.next_power_of_2(L + 1)
+    warps = 8 if chunk > 1024 else 4
+    idx = topk_idx.contiguous()
+    args = (idx, valid_rows if has_valid else counts)
+    rest = (N, K, rows_per_group or 1, L)
+    if C == 1:
+        _route_place_kernel[(1,)](*args, counts, counts, counts, offsets, slot, row_of_slot, *rest, HAS_VALID=has_valid,
+                                  ONE_CHUNK=True, CHUNK=chunk, LP=LP, num_warps=warps)
+    else:
+        hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
+        first = torch.empty(C, LP, dtype=torch.int32, device=dev)
+        _route_hist_kernel[(C,)](*args, hist, *rest, HAS_VALID=has_valid, CHUNK=chunk, LP=LP, num_warps=warps)
+        _route_scan_kernel[(1,)](hist, first, counts, offsets, C, L, LP=LP, num_warps=4)
+        _route_place_kernel[(C,)](*args, hist, first, counts, offsets, slot, row_of_slot, *rest, HAS_VALID=has_valid,
+                                  ONE_CHUNK=False, CHUNK=chunk, LP=LP, num_warps=warps)
     return Route(counts, offsets, slot, row_of_slot)
 
 
@@ -243,14 +290,23 @@ __all__ = ["Route", "route_experts", "permute_rows", "unpermute_reduce", "NvFp4T
 def _compile_checks():
     """(raw jit function, signature, constexprs) per kernel variant, for ``triton.compile`` on sm_90/sm_100
     without a GPU (tests/test_compile.py)."""
-    route = {"idx_ptr": "*i64", "valid_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
-             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", "N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32",
-             "L": "i32", "HAS_VALID": "constexpr", "BLOCK": "constexpr"}
+    ids = {"idx_ptr": "*i64", "valid_ptr": "*i32"}
+    shape = {"N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32", "HAS_VALID": "constexpr"}
+    hist = {**ids, "hist_ptr": "*i32", **shape, "CHUNK": "constexpr", "LP": "constexpr"}
+    scan = {"hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "C": "i32",
+            "L": "i32", "LP": "constexpr"}
+    place = {**ids, "hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
+             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", **shape, "ONE_CHUNK": "constexpr", "CHUNK": "constexpr",
+             "LP": "constexpr"}
     gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "H": "i32",
               "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
            "K": "constexpr", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
-    checks = [(_route_kernel, route, {"HAS_VALID": v, "BLOCK": _ROUTE_BLOCK}) for v in (False, True)]
+    big = {"CHUNK": _ROUTE_CHUNK, "LP": 64}
+    checks = [(_route_hist_kernel, hist, {"HAS_VALID": True, **big}), (_route_scan_kernel, scan, {"LP": 64})]
+    checks += [(_route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, **big,
+                                             "CHUNK": _ROUTE_ONE_LAUNCH if one else _ROUTE_CHUNK})
+               for v in (False, True) for one in (False, True)]
     for t in ("bf16", "u8", "fp32"):  # bf16 rows; NVFP4 rows: packed codes and scales (u8), global scales (fp32)
         checks.append((_gather_rows_kernel.fn, dict(gather, x_ptr=f"*{t}", out_ptr=f"*{t}"),
                        {"BLOCK_M": 4, "BLOCK_H": 1024}))
