@@ -113,7 +113,7 @@ class NixlEpTransport:
             hidden_states, topk_idx, topk_weights = self._pad
         c = self.config
         x = hidden_states
-        B = x.shape[0]
+        B = x.shape[0] if x.dim() else 0
         if not (x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < B <= c.max_tokens_per_rank):
             fail("hidden_states", f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with B <= {c.max_tokens_per_rank}")
         if topk_idx.shape != (B, c.top_k):
