@@ -193,7 +193,9 @@ def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4: tl.constexp
     return _mma(acc, xt, w, SWAP_AB)
 
 
-@triton.jit
+# counts and sizes that only bound loops and masks or pick rows (K, N and the K strides set the vector widths):
+# not specialized on their divisibility, so varying token counts reuse one compiled variant
+@triton.jit(do_not_specialize=["G", "M_MAX", "S", "M_BUCKET", "XGS_STRIDE"])
 def _grouped_gemm_kernel(
         x_ptr, xs_ptr, xgs_ptr,  # x: bf16 [rows, K] or packed uint8 [rows, K/2] + e4m3 bytes [rows, K/16] + fp32 gs
         XGS_STRIDE,  # 0: one global scale for x; 1: one per row (tokens keep their source rank's scale)

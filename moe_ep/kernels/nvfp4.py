@@ -134,6 +134,9 @@ def swizzled_offset(m, c, CP):
     return ((m // 128) * (CP // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
 
 
+# row counts only bound masks and index rows (K and the strides set the vector widths): not specialized on
+# their divisibility, so varying batch sizes reuse one compiled variant instead of up to 3^4
+_ROW_COUNTS = ["R", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET"]
 _GPU = tl.constexpr(not INTERPRETER)  # the interpreter runs no inline asm and its fma rounds twice
 
 
@@ -177,7 +180,7 @@ def unpack_signs(x, ASM: tl.constexpr):
 
 @triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0, "ONE_GS": lambda a: a["rows_per_gs"] >= a["R"]})
-@triton.jit
+@triton.jit(do_not_specialize=_ROW_COUNTS)
 def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_per_gs, slice_rows, slice_cp,
                      K_BUCKET, HAS_IDX: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_GS: tl.constexpr):
@@ -232,7 +235,7 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_
 
 
 @triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
-@triton.jit
+@triton.jit(do_not_specialize=_ROW_COUNTS)
 def _dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, R, K, rows_per_gs, slice_rows, slice_cp, K_BUCKET,
                        SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
