@@ -122,6 +122,22 @@ def test_fuzz_passes_on_the_real_kernels(tmp_path):
                  "--database", str(tmp_path / "db")]) == 0
 
 
+def test_fuzz_jobs_runs_targets_in_parallel_processes(tmp_path, capsys):
+    assert main(["fuzz", "--targets", "quantize,route,permute", "--examples", "3", "--jobs", "2",
+                 "--database", str(tmp_path / "db")]) == 0
+    out = capsys.readouterr().out
+    for t in ("quantize", "route", "permute"):  # each child's report, then the joint table
+        assert f"  {t}: ok after 3 example(s)" in out
+        assert out.rindex(t) > out.rindex("moe-ep fuzz")
+
+
+def test_fuzz_jobs_reports_a_child_that_died(tmp_path, monkeypatch, capsys):
+    from moe_ep.commands import fuzz
+    monkeypatch.setattr(fuzz, "_child_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert main(["fuzz", "--targets", "quantize,route", "--jobs", "2", "--database", str(tmp_path / "db")]) == 1
+    assert "exited with code 3" in capsys.readouterr().out
+
+
 def test_fuzz_planted_mismatch_exits_nonzero_with_a_reproduction(tmp_path, monkeypatch, capsys):
     from moe_ep.kernels import bridge
     orig = bridge.unpermute_reduce

@@ -9,15 +9,21 @@ interpreter, ``gpu`` on a device).
 Runs under the ``fuzz`` hypothesis profile with a persistent example database (``--database``, default
 ``~/.cache/moe-ep/hypothesis``): a failure found once is replayed first on every later run. Stops after
 ``--examples`` examples per target or ``--seconds`` in all (split evenly over the targets). On a mismatch it
-prints the shrunk counterexample and a command that reproduces it, and exits 1.
+prints the shrunk counterexample and a command that reproduces it, and exits 1. ``--jobs N`` fuzzes N targets
+at once, one process each, round-robin over the visible GPUs.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import re
 import shlex
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -238,6 +244,10 @@ def add_arguments(parser) -> None:
                         "otherwise time ~10 configs)")
     parser.add_argument("--reproduce", default=None, metavar="VERSION:BLOB",
                         help="replay one failure printed by an earlier run (needs exactly one target)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="fuzz up to this many targets at once, one process each, spread over the visible "
+                        "GPUs (--seconds stays the total wall time)")
+    parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # a --jobs child's results
 
 
 def _database(args) -> str:
@@ -313,6 +323,51 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
     return dict(target=name, status="ok", examples=done[0], seconds=time.perf_counter() - t0, detail="")
 
 
+def _child_argv(args, name: str, seconds: float | None, result_file: str) -> list[str]:
+    """The command line of a ``--jobs`` child that fuzzes target ``name`` alone."""
+    argv = [sys.executable, "-m", "moe_ep.cli", "fuzz", "--targets", name, "--result-file", result_file]
+    for flag, value in (("--examples", args.examples), ("--seconds", seconds), ("--sizes", args.sizes),
+                        ("--database", args.database), ("--seed", args.seed)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--all-configs"] if args.all_configs else [])
+
+
+def run_parallel(args, names: list[str]) -> list[dict]:
+    """Fuzz each target in its own process, ``args.jobs`` at a time, round-robin over the visible GPUs; each
+    child's output is printed whole when it ends (so reports do not interleave)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v] or [str(i) for i in range(gpus)]
+    seconds = None if args.seconds is None else args.seconds * min(args.jobs, len(names)) / len(names)
+    results, running, todo = [], [], list(enumerate(names))
+    with tempfile.TemporaryDirectory() as tmp:
+        while todo or running:
+            while todo and len(running) < args.jobs:
+                i, name = todo.pop(0)
+                env = dict(os.environ)
+                if visible:
+                    env["CUDA_VISIBLE_DEVICES"] = visible[i % len(visible)]
+                out = os.path.join(tmp, f"{name}.json")
+                with open(os.path.join(tmp, f"{name}.log"), "w") as log:  # a file: a pipe could fill and block
+                    proc = subprocess.Popen(_child_argv(args, name, seconds, out), env=env, stdout=log,
+                                            stderr=subprocess.STDOUT)
+                running.append((name, out, proc))
+            done = [r for r in running if r[2].poll() is not None]
+            if not done:
+                time.sleep(0.2)
+            for name, out, proc in done:
+                running.remove((name, out, proc))
+                with open(os.path.join(tmp, f"{name}.log")) as log:
+                    print(log.read(), end="", flush=True)
+                if os.path.exists(out):
+                    with open(out) as f:
+                        results += json.load(f)
+                else:  # the child died before writing its results: that is a finding too
+                    results.append(dict(target=name, status="FAILED", examples=0, seconds=0.0,
+                                        detail=f"the fuzzing process exited with code {proc.returncode}"))
+    return results
+
+
 def run(args) -> int:
     S.register_profiles()
     names = name_list(args.targets, "--targets", TARGETS)
@@ -322,6 +377,10 @@ def run(args) -> int:
         raise MoEEpInputError(f"--examples = {args.examples}; allowed: a positive int")
     if args.seconds is not None and args.seconds <= 0:
         raise MoEEpInputError(f"--seconds = {args.seconds}; allowed: a positive number")
+    if args.jobs < 1:
+        raise MoEEpInputError(f"--jobs = {args.jobs}; allowed: a positive int")
+    if args.jobs > 1 and len(names) > 1 and not args.reproduce:
+        return _report(run_parallel(args, names), args)
     if not args.all_configs:
         os.environ.setdefault("MOE_EP_AUTOTUNE", "off")
     sizes = args.sizes or ("tiny" if INTERPRETER or not torch.cuda.is_available() else "gpu")
@@ -337,6 +396,14 @@ def run(args) -> int:
         if r["status"] == "FAILED":
             print(f"\nMISMATCH in {name}: {r['detail']}\n{r['report']}\nreproduce with:\n  {r['reproduce']}\n",
                   flush=True)
+    return _report(results, args)
+
+
+def _report(results: list[dict], args) -> int:
+    """The summary table (and, for a ``--jobs`` child, the results file); exit code 1 on any failure."""
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump([{k: r[k] for k in ("target", "status", "examples", "seconds", "detail")} for r in results], f)
     print_table("moe-ep fuzz", ["target", "status", "examples", "seconds", "detail"],
                 [[r["target"], r["status"], r["examples"], f"{r['seconds']:.1f}", r["detail"][:100]] for r in results])
     return 1 if any(r["status"] == "FAILED" for r in results) else 0
