@@ -101,10 +101,33 @@ def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
     return dict(
         G=G, K=16 * draw(st.integers(1, b.k16)), N=16 * draw(st.integers(1, b.n16)),
         counts=draw(expert_counts(G, b.rows)), ragged=draw(st.booleans()),
-        x_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
+        x_fmt=draw(st.sampled_from(X_FORMATS)), w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
         swiglu=True if mlp else draw(st.booleans()), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 3)),
-        scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
-        seed=draw(_seeds))
+        m_hint=draw(st.sampled_from([None, 64])), scale=draw(st.sampled_from([1.0, 1e-3, 300.0])),
+        zero_frac=draw(st.sampled_from([0.0, 0.3])), seed=draw(_seeds))
+
+
+X_FORMATS = ("bf16", "nvfp4", "nvfp4_rows")
+"""GEMM activation formats: bf16, NVFP4 with one global scale, NVFP4 with one global scale per row (how
+tokens received from several ranks arrive)."""
+
+
+def gemm_operand(t: torch.Tensor, fmt: str, *, per_slice: bool = False):
+    """(operand for the kernel, dense fp32 operand for the reference) of bf16 ``t`` in format ``fmt`` (one of
+    :data:`X_FORMATS`; ``per_slice``: with "nvfp4", one global scale per ``t[i]``, as expert weights carry)."""
+    from .kernels.nvfp4 import NvFp4Tensor, nvfp4_global_scale, quantize_nvfp4
+    from .reference import dequantize_nvfp4_ref
+    if fmt == "bf16":
+        return t, t.float()
+    if fmt == "nvfp4":
+        q = quantize_nvfp4(t, nvfp4_global_scale(t, per_slice=True) if per_slice else None)
+        return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
+    rows = t.reshape(-1, t.shape[-1])
+    q = quantize_nvfp4(rows, nvfp4_global_scale(rows, per_slice=True)) if rows.shape[0] else quantize_nvfp4(rows)
+    dense = dequantize_nvfp4_ref(q.data, q.scales, q.global_scale).reshape(t.shape)
+    k = t.shape[-1]
+    return NvFp4Tensor(q.data.reshape(*t.shape[:-1], k // 2), q.scales.reshape(*t.shape[:-1], k // 16),
+                       q.global_scale, t.shape), dense
 
 
 def make_gemm_operands(c: dict, dev, *, n_rows: int | None = None):

@@ -13,16 +13,17 @@ import json
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from moe_ep import MoEEpConfigError, MoEEpInputError
 from moe_ep.kernels import NvFp4Tensor, expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels import tuning
-from moe_ep.reference import dequantize_nvfp4_ref, expert_mlp_ref, grouped_gemm_ref
-from moe_ep.strategies import expert_counts, make_gemm_operands
+from moe_ep.reference import expert_mlp_ref, grouped_gemm_ref
+from moe_ep.strategies import Bounds, gemm_cases, gemm_operand, make_gemm_operands
 
 GEMM_TOL = 1e-2
 MLP_TOL = 2e-2
+GEMM_BOUNDS = Bounds(rows=9, k16=6, n16=5, experts=6, top_k=1)  # cases: moe_ep.strategies.gemm_cases
+MLP_BOUNDS = Bounds(rows=7, k16=4, n16=4, experts=4, top_k=1)
 
 gg = importlib.import_module("moe_ep.kernels.grouped_gemm")  # the module (the package exports the function)
 _fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -42,48 +43,6 @@ def _values(shape, scale, zero_frac, gen, dev):
     return v.to(torch.bfloat16).to(dev)
 
 
-def _weights(w, fmt):
-    """(operand passed to the kernel, dense fp32 operand the reference uses)."""
-    if fmt == "bf16":
-        return w, w.float()
-    q = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
-    return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
-
-
-def _acts(x, fmt):
-    """bf16, NVFP4 with one global scale, or NVFP4 with one global scale per row ("nvfp4_rows": how tokens
-    received from several ranks arrive)."""
-    if fmt == "bf16":
-        return x, x.float()
-    if fmt == "nvfp4":
-        q = quantize_nvfp4(x)
-        return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
-    rows = x.reshape(-1, x.shape[-1])
-    q = quantize_nvfp4(rows, nvfp4_global_scale(rows, per_slice=True)) if rows.shape[0] else quantize_nvfp4(rows)
-    dense = dequantize_nvfp4_ref(q.data, q.scales, q.global_scale).reshape(x.shape)
-    k = x.shape[-1]
-    return NvFp4Tensor(q.data.reshape(*x.shape[:-1], k // 2), q.scales.reshape(*x.shape[:-1], k // 16),
-                       q.global_scale, x.shape), dense
-
-
-@st.composite
-def gemm_cases(draw):
-    G = draw(st.integers(1, 6))
-    return dict(
-        G=G, K=16 * draw(st.integers(1, 6)), N=16 * draw(st.integers(1, 5)), counts=draw(expert_counts(G, 9)),
-        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4", "nvfp4_rows"])),
-        w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), swiglu=draw(st.booleans()), row_scale=draw(st.booleans()),
-        pad=draw(st.integers(0, 3)), m_hint=draw(st.sampled_from([None, 64])),
-        scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
-        seed=draw(st.integers(0, 2**16)))
-
-
-def _layout(c, K, dev):
-    """x bf16 (masked [G, M_max, K] or ragged [S, K] with trailing rows that belong to no expert and must
-    stay untouched), index tensor kwargs, valid-row mask, rows shape."""
-    return make_gemm_operands(dict(c, K=K), dev)
-
-
 def _assert_close(out, ref, valid, tol):
     o, r = out[valid].float(), ref[valid].float()
     assert torch.isfinite(o).all()
@@ -93,14 +52,14 @@ def _assert_close(out, ref, valid, tol):
 
 
 @_fixture_ok
-@given(gemm_cases())
+@given(gemm_cases(GEMM_BOUNDS))
 def test_grouped_gemm_matches_reference(dev, c):
     gen = torch.Generator().manual_seed(c["seed"])
     G, K, N = c["G"], c["K"], c["N"]
-    x, idx, valid, rows = _layout(c, K, dev)
+    x, idx, valid, rows = make_gemm_operands(c, dev)
     w = _values((G, 2 * N if c["swiglu"] else N, K), 0.5, c["zero_frac"], gen, dev)
-    xk, xr = _acts(x, c["x_fmt"])
-    wk, wr = _weights(w, c["w_fmt"])
+    xk, xr = gemm_operand(x, c["x_fmt"])
+    wk, wr = gemm_operand(w, c["w_fmt"], per_slice=True)
     rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
     out = torch.full((*rows, N), float("nan"), dtype=torch.bfloat16, device=dev)  # poisoned
     got = grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs, out=out, m_hint=c["m_hint"])
@@ -109,28 +68,18 @@ def test_grouped_gemm_matches_reference(dev, c):
     _assert_close(out, ref, valid, GEMM_TOL)
 
 
-@st.composite
-def mlp_cases(draw):
-    G = draw(st.integers(1, 4))
-    return dict(
-        G=G, H=16 * draw(st.integers(1, 4)), I=16 * draw(st.integers(1, 4)), counts=draw(expert_counts(G, 7)),
-        ragged=draw(st.booleans()), x_fmt=draw(st.sampled_from(["bf16", "nvfp4", "nvfp4_rows"])),
-        w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 2)),
-        scale=1.0, zero_frac=0.0, seed=draw(st.integers(0, 2**16)))
-
-
 @_fixture_ok
-@given(mlp_cases())
+@given(gemm_cases(MLP_BOUNDS, mlp=True))
 def test_expert_mlp_matches_reference(dev, c):
     gen = torch.Generator().manual_seed(c["seed"])
-    G, H, I = c["G"], c["H"], c["I"]
-    x, idx, valid, rows = _layout(c, H, dev)
-    w13k, w13r = _weights(_values((G, 2 * I, H), 0.3, 0.0, gen, dev), c["w_fmt"])
-    w2k, w2r = _weights(_values((G, H, I), 0.3, 0.0, gen, dev), c["w_fmt"])
-    xk, xr = _acts(x, c["x_fmt"])
+    G, H, I = c["G"], c["K"], c["N"]
+    x, idx, valid, rows = make_gemm_operands(c, dev)
+    w13k, w13r = gemm_operand(_values((G, 2 * I, H), 0.3, 0.0, gen, dev), c["w_fmt"], per_slice=True)
+    w2k, w2r = gemm_operand(_values((G, H, I), 0.3, 0.0, gen, dev), c["w_fmt"], per_slice=True)
+    xk, xr = gemm_operand(x, c["x_fmt"])
     rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
     out = torch.full((*rows, H), float("nan"), dtype=torch.bfloat16, device=dev)
-    expert_mlp(xk, w13k, w2k, **idx, row_scale=rs, out=out)
+    expert_mlp(xk, w13k, w2k, **idx, row_scale=rs, out=out, m_hint=c["m_hint"])
     ref = expert_mlp_ref(xr, w13r, w2r, **idx, row_scale=rs)
     _assert_close(out, ref, valid, MLP_TOL)
 
@@ -284,7 +233,7 @@ def test_nvfp4_rows_with_their_own_global_scales(dev, ragged):
     x = (torch.randn(G, M, K, generator=gen) * scale).bfloat16().to(dev)
     if ragged:
         x = x.reshape(G * M, K)
-    xk, xr = _acts(x, "nvfp4_rows")
+    xk, xr = gemm_operand(x, "nvfp4_rows")
     assert xk.global_scale.numel() == G * M
     w13 = _values((G, 2 * I, K), 0.3, 0.0, gen, dev)
     w2 = _values((G, K, I), 0.3, 0.0, gen, dev)

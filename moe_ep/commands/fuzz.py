@@ -108,25 +108,16 @@ def check_gather_quantize(c, dev):
 # --- grouped GEMM --------------------------------------------------------------------------------------------
 
 
-def _fmt(t, fmt, per_slice):
-    from ..kernels.nvfp4 import nvfp4_global_scale, quantize_nvfp4
-    from ..reference import dequantize_nvfp4_ref
-    if fmt == "bf16":
-        return t, t.float()
-    q = quantize_nvfp4(t, nvfp4_global_scale(t, per_slice=per_slice) if t.numel() else 1.0)
-    return q, dequantize_nvfp4_ref(q.data, q.scales, q.global_scale)
-
-
 def check_grouped_gemm(c, dev):
     gg = _gg()
     from ..reference import grouped_gemm_ref
     x, idx, valid, rows = S.make_gemm_operands(c, dev)
     gen = torch.Generator().manual_seed(c["seed"] + 1)
     w = (torch.randn(c["G"], 2 * c["N"] if c["swiglu"] else c["N"], c["K"], generator=gen) * 0.5)
-    xk, xr = _fmt(x, c["x_fmt"], False)
-    wk, wr = _fmt(w.to(torch.bfloat16).to(dev), c["w_fmt"], True)
+    xk, xr = S.gemm_operand(x, c["x_fmt"])
+    wk, wr = S.gemm_operand(w.to(torch.bfloat16).to(dev), c["w_fmt"], per_slice=True)
     rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
-    out = gg.grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs)
+    out = gg.grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs, m_hint=c["m_hint"])
     ref = grouped_gemm_ref(xr, wr, **idx, swiglu=c["swiglu"], row_scale=rs)
     _rel_check(out, ref, valid, GEMM_TOL, "grouped_gemm")
 
@@ -137,11 +128,13 @@ def check_expert_mlp(c, dev):
     H, I = c["K"], c["N"]
     x, idx, valid, rows = S.make_gemm_operands(c, dev)
     gen = torch.Generator().manual_seed(c["seed"] + 1)
-    w13k, w13r = _fmt((torch.randn(c["G"], 2 * I, H, generator=gen) * 0.3).to(torch.bfloat16).to(dev), c["w_fmt"], True)
-    w2k, w2r = _fmt((torch.randn(c["G"], H, I, generator=gen) * 0.3).to(torch.bfloat16).to(dev), c["w_fmt"], True)
-    xk, xr = _fmt(x, c["x_fmt"], False)
+    w13k, w13r = S.gemm_operand((torch.randn(c["G"], 2 * I, H, generator=gen) * 0.3).to(torch.bfloat16).to(dev),
+                                c["w_fmt"], per_slice=True)
+    w2k, w2r = S.gemm_operand((torch.randn(c["G"], H, I, generator=gen) * 0.3).to(torch.bfloat16).to(dev), c["w_fmt"],
+                              per_slice=True)
+    xk, xr = S.gemm_operand(x, c["x_fmt"])
     rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
-    out = gg.expert_mlp(xk, w13k, w2k, **idx, row_scale=rs)
+    out = gg.expert_mlp(xk, w13k, w2k, **idx, row_scale=rs, m_hint=c["m_hint"])
     # the kernel rounds its intermediate to bf16: so does the reference's input to GEMM2 (within MLP_TOL)
     ref = expert_mlp_ref(xr, w13r, w2r, **idx, row_scale=rs)
     _rel_check(out, ref, valid, MLP_TOL, "expert_mlp")
