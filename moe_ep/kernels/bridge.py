@@ -73,6 +73,17 @@ def _route_hist_kernel(idx_ptr, valid_ptr, hist_ptr, N, K, ROWS_PER_GROUP, L, HA
 
 
 @triton.jit
+def _store_totals(hist, counts_ptr, offsets_ptr, L, LP: tl.constexpr):
+    """Per-bin pick totals [LP] -> counts [L] and offsets [L+1] stored; returns the offsets (first slot per bin)."""
+    b = tl.arange(0, LP)
+    tot = tl.where(b < L, hist, 0)
+    first = tl.cumsum(tot, 0) - tot  # at b = L: the number of valid picks
+    tl.store(counts_ptr + b, tot, mask=b < L)
+    tl.store(offsets_ptr + b, first, mask=b <= L)
+    return first
+
+
+@triton.jit
 def _route_scan_kernel(hist_ptr, first_ptr, counts_ptr, offsets_ptr, C, L, LP: tl.constexpr):
     # one program: expert totals, offsets, and the first slot of every (chunk, expert)
     b = tl.arange(0, LP)
@@ -81,10 +92,7 @@ def _route_scan_kernel(hist_ptr, first_ptr, counts_ptr, offsets_ptr, C, L, LP: t
     while c < C:  # (while: the interpreter cannot take a runtime-bounded range)
         tot += tl.load(hist_ptr + c * LP + b)
         c += 1
-    tot = tl.where(b < L, tot, 0)
-    run = tl.cumsum(tot, 0) - tot  # at b = L: the number of valid picks
-    tl.store(counts_ptr + b, tot, mask=b < L)
-    tl.store(offsets_ptr + b, run, mask=b <= L)
+    run = _store_totals(tot, counts_ptr, offsets_ptr, L, LP)
     c = 0
     while c < C:
         tl.store(first_ptr + c * LP + b, run)
@@ -101,11 +109,8 @@ def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, first_ptr, counts_ptr, off
     b = tl.arange(0, LP)
     if ONE_CHUNK:  # histogram and scan in this program: one launch for decode-sized routes
         hist = tl.histogram(e, LP)
-        tot = tl.where(b < L, hist, 0)
-        first = tl.cumsum(tot, 0) - tot
-        tl.store(counts_ptr + b, tot, mask=b < L)
-        tl.store(offsets_ptr + b, first, mask=b <= L)
-        total = tl.sum(tot, 0)
+        first = _store_totals(hist, counts_ptr, offsets_ptr, L, LP)
+        total = tl.sum(tl.where(b < L, hist, 0), 0)
     else:
         hist = tl.load(hist_ptr + c * LP + b)
         first = tl.load(first_ptr + c * LP + b)
