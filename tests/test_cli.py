@@ -105,7 +105,7 @@ def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch,
     assert launch["source"] == "tuned-file" and launch["config"] == cfg
     # the kernels read the file, not a cached answer: plant the other config of the space there
     other = next(c for c in tuning.grouped_gemm_configs() if c.kwargs["BLOCK_M"] != cfg["BLOCK_M"])
-    from moe_ep.commands.tune import config_dict
+    from moe_ep.kernels.tuning import config_dict
     table[key]["64"] = config_dict(other)
     path.write_text(json.dumps(table))
     os.utime(path, (1, 1))  # a different mtime (the loader caches per mtime)

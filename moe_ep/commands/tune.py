@@ -61,18 +61,10 @@ def _kernels():
         raise MoEEpConfigError(f"grouped GEMM kernels = missing ({e}); allowed: a build with "
                                "moe_ep.kernels.grouped_gemm") from None
     for name in ("grouped_gemm_configs", "prune_grouped_gemm_configs", "shape_class", "device_name",
-                 "config_dirs", "m_bucket", "tuned_gemm_config"):
+                 "config_dirs", "m_bucket", "tuned_gemm_config", "config_dict"):
         if not hasattr(tuning, name):
             raise MoEEpConfigError(f"moe_ep.kernels.tuning.{name} = missing; allowed: the tuned-config API")
     return gg, tuning
-
-
-def config_dict(cfg) -> dict:
-    """A ``triton.Config`` as the tuned-config file stores it."""
-    kw = cfg.kwargs
-    return {"BLOCK_M": int(kw["BLOCK_M"]), "BLOCK_N": int(kw["BLOCK_N"]), "BLOCK_K": int(kw["BLOCK_K"]),
-            "SWAP_AB": bool(kw["SWAP_AB"]), "GROUP_M": int(kw.get("GROUP_M", 8)),
-            "num_warps": int(cfg.num_warps), "num_stages": int(cfg.num_stages)}
 
 
 @contextlib.contextmanager
@@ -132,7 +124,7 @@ def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev) -> dict
     for i, c in enumerate(cands):
         if i and time.perf_counter() - t_start > budget_s:
             break
-        cfg = config_dict(c)
+        cfg = tuning.config_dict(c)
         with forced_config(tuning, cfg):
             try:
                 fn()  # compiles

@@ -152,13 +152,20 @@ def launch(kernel, grid, *args, **kwargs):
     return kernel.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **kwargs, **cfg.all_kwargs())
 
 
+def config_dict(cfg: triton.Config) -> dict:
+    """A grouped-GEMM ``triton.Config`` as the tuned-config file stores it."""
+    kw = cfg.kwargs
+    return {"BLOCK_M": int(kw["BLOCK_M"]), "BLOCK_N": int(kw["BLOCK_N"]), "BLOCK_K": int(kw["BLOCK_K"]),
+            "SWAP_AB": bool(kw["SWAP_AB"]), "GROUP_M": int(kw.get("GROUP_M", 8)),
+            "num_warps": int(cfg.num_warps), "num_stages": int(cfg.num_stages)}
+
+
 @lru_cache(maxsize=None)
 def first_gemm_config(n: int, k: int, m: int, groups: int, w_fp4: bool, swiglu: bool) -> dict:
     """The first config of the space that suits the shape, unbenchmarked: a fuzz run meets thousands of shapes,
     and timing every config of each would cost far more than the checks themselves."""
-    c = prune_grouped_gemm_configs(grouped_gemm_configs(), {"M_BUCKET": m_bucket(m), "N": n, "K": k, "G": groups},
-                                   SWIGLU=swiglu, W_FP4=w_fp4)[0]
-    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    return config_dict(prune_grouped_gemm_configs(grouped_gemm_configs(), {"M_BUCKET": m_bucket(m), "N": n, "K": k,
+                                                                         "G": groups}, SWIGLU=swiglu, W_FP4=w_fp4)[0])
 
 
 def shape_class(n: int, k: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> str:
