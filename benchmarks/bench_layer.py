@@ -77,7 +77,8 @@ def torch_route(ids: torch.Tensor, L: int):
     flat = ids.reshape(-1)
     key = torch.where((flat >= 0) & (flat < L), flat, L)
     order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(L + 1, dtype=torch.int64, device=ids.device).index_add_(0, key, torch.ones_like(key))
+    ones = torch.ones_like(key, dtype=torch.int64)
+    counts = torch.zeros(L + 1, dtype=torch.int64, device=ids.device).index_add_(0, key, ones)
     return order // ids.shape[1], counts[:L].cumsum(0)
 
 

@@ -142,12 +142,13 @@ def test_bridge_no_host_sync_under_graph_capture():
     x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
     w = torch.rand(64, 4, device=dev)
     r = route_experts(idx, 8)  # warm up (autotune) outside the capture
-    unpermute_reduce(permute_rows(x, r), r, w)
+    unpermute_reduce(permute_rows(x, r), r, w, out_dtype=torch.float32)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         r2 = route_experts(idx, 8)
-        out = unpermute_reduce(permute_rows(x, r2), r2, w)
+        out = unpermute_reduce(permute_rows(x, r2), r2, w, out_dtype=torch.float32)
     g.replay()
     torch.cuda.synchronize()
     ref = unpermute_reduce_ref(permute_rows_ref(x, r.row_of_slot, int(r.offsets[-1])), r.slot, w)
-    assert torch.equal(out, ref.bfloat16())
+    # fp32 sums: the kernel's fused multiply-adds round differently from the reference's multiply then add
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

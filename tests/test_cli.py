@@ -13,6 +13,7 @@ import torch
 import moe_ep
 from moe_ep.cli import main
 from moe_ep.commands.common import PRESETS, get_preset
+from moe_ep.triton_runtime import device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--hidden", "64", "--intermediate", "32", "--experts", "2"]
@@ -96,9 +97,10 @@ def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch,
     assert json.loads((tmp_path / "report.json").read_text())["shapes"][0]["best"] == cfg
 
     def run_kernel():
-        x = torch.randn(128, 64).to(torch.bfloat16)
-        w = torch.randn(2, 64, 64).to(torch.bfloat16)
-        grouped_gemm(x, w, offsets=torch.tensor([0, 64, 128]), swiglu=True, m_hint=64)
+        dev = device()
+        x = torch.randn(128, 64, device=dev).to(torch.bfloat16)
+        w = torch.randn(2, 64, 64, device=dev).to(torch.bfloat16)
+        grouped_gemm(x, w, offsets=torch.tensor([0, 64, 128], device=dev), swiglu=True, m_hint=64)
         return gg.last_launch
 
     launch = run_kernel()
@@ -129,6 +131,23 @@ def test_fuzz_jobs_runs_targets_in_parallel_processes(tmp_path, capsys):
     for t in ("quantize", "route", "permute"):  # each child's report, then the joint table
         assert f"  {t}: ok after 3 example(s)" in out
         assert out.rindex(t) > out.rindex("moe-ep fuzz")
+
+
+def test_fuzz_shard_plan_splits_targets_and_their_examples():
+    from moe_ep.commands.fuzz import shard_plan
+    assert shard_plan(["a", "b"], 1, 10) == [("a", 0, 10), ("b", 0, 10)]
+    assert shard_plan(["a", "b"], 5, 10) == [("a", 0, 4), ("a", 1, 3), ("a", 2, 3), ("b", 0, 5), ("b", 1, 5)]
+    assert shard_plan(["a"], 3, 2) == [("a", 0, 1), ("a", 1, 1)]  # no shard is left with zero examples
+    assert shard_plan(["a"], 2, None) == [("a", 0, None), ("a", 1, None)]
+
+
+def test_fuzz_jobs_shards_one_target_and_sums_its_examples(tmp_path, capsys):
+    assert main(["fuzz", "--targets", "route", "--examples", "5", "--jobs", "2",
+                 "--database", str(tmp_path / "db")]) == 0
+    out = capsys.readouterr().out
+    assert "  route: ok after 3 example(s)" in out and "  route: ok after 2 example(s)" in out
+    table = out[out.rindex("moe-ep fuzz"):]
+    assert table.count("route") == 1 and " 5 " in table.split("route")[1].splitlines()[0]
 
 
 def test_fuzz_jobs_reports_a_child_that_died(tmp_path, monkeypatch, capsys):

@@ -118,6 +118,34 @@ def time_call(fn, *, rep_ms: float = 100.0, warmup_ms: float = 25.0) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
 
 
+def _syncs(fn) -> bool:
+    """Whether ``fn`` makes a host sync (which a CUDA graph cannot capture; a failed capture would leave the
+    CUDA generator mid-capture), found by running it once under ``torch.cuda`` sync debug mode "error"."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return False
+
+
+def time_pair(ours, peer, *, rep_ms: float = 100.0) -> tuple[float, float, str]:
+    """Median seconds per call of ``ours`` and of ``peer``, timed the same way: replayed from a CUDA graph when
+    both can be captured (the GPU time, without the host's launch overhead; ``triton.testing.do_bench_cudagraph``),
+    else eagerly (:func:`time_call`). Returns ``(ours, peer, "graph" | "eager")``."""
+    if not INTERPRETER and torch.cuda.is_available() and not (_syncs(ours) or _syncs(peer)):
+        import triton.testing
+        try:
+            return (triton.testing.do_bench_cudagraph(ours, rep=rep_ms, return_mode="median") * 1e-3,
+                    triton.testing.do_bench_cudagraph(peer, rep=rep_ms, return_mode="median") * 1e-3, "graph")
+        except RuntimeError:  # a host sync or a host-dependent shape: not capturable
+            torch.cuda.synchronize()
+    return time_call(ours, rep_ms=rep_ms), time_call(peer, rep_ms=rep_ms), "eager"
+
+
 def time_fixed(fn, calls: int = 20, warmup: int = 3) -> float:
     """Mean seconds per call over a fixed number of calls: for collectives, where every rank must make the
     same calls (``do_bench`` picks its count from each rank's own timing)."""
@@ -137,16 +165,19 @@ def time_fixed(fn, calls: int = 20, warmup: int = 3) -> float:
 
 
 def dist_setup() -> tuple[int, int]:
-    """(rank, world size). Under torchrun (``WORLD_SIZE`` > 1) initialize the default process group (nccl on
-    GPUs, gloo on the CPU) and pick this rank's GPU; otherwise (0, 1) and nothing is initialized."""
+    """(rank, world size). Under torchrun (``WORLD_SIZE`` > 1) initialize the default process group (nccl with
+    one rank per GPU; gloo on the CPU or when ranks share GPUs) and pick this rank's GPU; otherwise (0, 1) and
+    nothing is initialized."""
     import torch.distributed as dist
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if gpus:  # more ranks than GPUs share them round-robin, over gloo (NCCL takes one rank per GPU)
+            torch.cuda.set_device(local_rank % gpus)
+        dist.init_process_group("nccl" if gpus and local_world <= gpus else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -9,8 +9,9 @@ interpreter, ``gpu`` on a device).
 Runs under the ``fuzz`` hypothesis profile with a persistent example database (``--database``, default
 ``~/.cache/moe-ep/hypothesis``): a failure found once is replayed first on every later run. Stops after
 ``--examples`` examples per target or ``--seconds`` in all (split evenly over the targets). On a mismatch it
-prints the shrunk counterexample and a command that reproduces it, and exits 1. ``--jobs N`` fuzzes N targets
-at once, one process each, round-robin over the visible GPUs.
+prints the shrunk counterexample and a command that reproduces it, and exits 1. ``--jobs N`` runs N fuzzing
+processes at once, round-robin over the visible GPUs: one per target, or, with more jobs than targets,
+several per target (shards with their own seeds sharing the target's examples and the database).
 """
 
 from __future__ import annotations
@@ -238,8 +239,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reproduce", default=None, metavar="VERSION:BLOB",
                         help="replay one failure printed by an earlier run (needs exactly one target)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="fuzz up to this many targets at once, one process each, spread over the visible "
-                        "GPUs (--seconds stays the total wall time)")
+                        help="this many fuzzing processes at once, spread over the visible GPUs: one per "
+                        "target, or with more jobs than targets several per target sharing its --examples "
+                        "(--seconds stays the total wall time)")
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)  # a --jobs child's results
 
 
@@ -316,49 +318,81 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
     return dict(target=name, status="ok", examples=done[0], seconds=time.perf_counter() - t0, detail="")
 
 
-def _child_argv(args, name: str, seconds: float | None, result_file: str) -> list[str]:
-    """The command line of a ``--jobs`` child that fuzzes target ``name`` alone."""
+def _child_argv(args, name: str, examples: int | None, seconds: float | None, seed: int | None,
+                result_file: str) -> list[str]:
+    """The command line of a ``--jobs`` child that fuzzes target ``name`` alone (one shard of it)."""
     argv = [sys.executable, "-m", "moe_ep.cli", "fuzz", "--targets", name, "--result-file", result_file]
-    for flag, value in (("--examples", args.examples), ("--seconds", seconds), ("--sizes", args.sizes),
-                        ("--database", args.database), ("--seed", args.seed)):
+    for flag, value in (("--examples", examples), ("--seconds", seconds), ("--sizes", args.sizes),
+                        ("--database", args.database), ("--seed", seed)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--all-configs"] if args.all_configs else [])
 
 
+def shard_plan(names: list[str], jobs: int, examples: int | None) -> list[tuple[str, int, int | None]]:
+    """``(target, shard, examples)`` per child: with more jobs than targets, each target is split into
+    ``jobs // len(names)`` shards (the first ``jobs % len(names)`` targets one more) that share its examples."""
+    plan = []
+    for i, name in enumerate(names):
+        shards = max(1, jobs // len(names) + (i < jobs % len(names)))
+        for s in range(shards):
+            n = None if examples is None else examples // shards + (s < examples % shards)
+            if n != 0:
+                plan.append((name, s, n))
+    return plan
+
+
+def _merge_shards(results: list[dict]) -> list[dict]:
+    """One row per target: examples summed over its shards, the longest shard's seconds, failed if any failed."""
+    merged: dict[str, dict] = {}
+    for r in results:
+        m = merged.setdefault(r["target"], dict(r, status="ok", examples=0, seconds=0.0, detail=""))
+        m["examples"] += r["examples"]
+        m["seconds"] = max(m["seconds"], r["seconds"])
+        if r["status"] != "ok" and m["status"] != "FAILED":
+            m["status"], m["detail"] = r["status"], r["detail"]
+    return list(merged.values())
+
+
 def run_parallel(args, names: list[str]) -> list[dict]:
-    """Fuzz each target in its own process, ``args.jobs`` at a time, round-robin over the visible GPUs; each
-    child's output is printed whole when it ends (so reports do not interleave)."""
+    """Fuzz in child processes, ``args.jobs`` at a time, round-robin over the visible GPUs: one per target,
+    or several per target (:func:`shard_plan`, distinct seeds, one shared example database) when there are
+    more jobs than targets. Each child's output is printed whole when it ends (so reports do not interleave)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v] or [str(i) for i in range(gpus)]
-    seconds = None if args.seconds is None else args.seconds * min(args.jobs, len(names)) / len(names)
-    results, running, todo = [], [], list(enumerate(names))
+    plan = shard_plan(names, args.jobs, args.examples)
+    seconds = None if args.seconds is None else args.seconds * min(args.jobs, len(plan)) / len(plan)
+    results, running, todo = [], [], list(enumerate(plan))
     with tempfile.TemporaryDirectory() as tmp:
         while todo or running:
             while todo and len(running) < args.jobs:
-                i, name = todo.pop(0)
+                i, (name, shard, examples) = todo.pop(0)
                 env = dict(os.environ)
+                # each child's torch would start one CPU thread per core: N children would oversubscribe N-fold
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
                 if visible:
                     env["CUDA_VISIBLE_DEVICES"] = visible[i % len(visible)]
-                out = os.path.join(tmp, f"{name}.json")
-                with open(os.path.join(tmp, f"{name}.log"), "w") as log:  # a file: a pipe could fill and block
-                    proc = subprocess.Popen(_child_argv(args, name, seconds, out), env=env, stdout=log,
-                                            stderr=subprocess.STDOUT)
-                running.append((name, out, proc))
-            done = [r for r in running if r[2].poll() is not None]
+                tag = f"{name}.{shard}"
+                out = os.path.join(tmp, f"{tag}.json")
+                seed = None if args.seed is None else args.seed + 1_000_003 * shard
+                with open(os.path.join(tmp, f"{tag}.log"), "w") as log:  # a file: a pipe could fill and block
+                    proc = subprocess.Popen(_child_argv(args, name, examples, seconds, seed, out), env=env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+                running.append((name, tag, out, proc))
+            done = [r for r in running if r[3].poll() is not None]
             if not done:
                 time.sleep(0.2)
-            for name, out, proc in done:
-                running.remove((name, out, proc))
-                with open(os.path.join(tmp, f"{name}.log")) as log:
+            for name, tag, out, proc in done:
+                running.remove((name, tag, out, proc))
+                with open(os.path.join(tmp, f"{tag}.log")) as log:
                     print(log.read(), end="", flush=True)
                 if os.path.exists(out):
                     with open(out) as f:
                         results += json.load(f)
                 else:  # the child died before writing its results: that is a finding too
                     results.append(dict(target=name, status="FAILED", examples=0, seconds=0.0,
-                                        detail=f"the fuzzing process exited with code {proc.returncode}"))
-    return results
+                                        detail=f"the fuzzing process ({tag}) exited with code {proc.returncode}"))
+    return _merge_shards(results)
 
 
 def run(args) -> int:
@@ -372,7 +406,7 @@ def run(args) -> int:
         raise MoEEpInputError(f"--seconds = {args.seconds}; allowed: a positive number")
     if args.jobs < 1:
         raise MoEEpInputError(f"--jobs = {args.jobs}; allowed: a positive int")
-    if args.jobs > 1 and len(names) > 1 and not args.reproduce:
+    if args.jobs > 1 and not args.reproduce:
         return _report(run_parallel(args, names), args)
     if not args.all_configs:
         os.environ.setdefault("MOE_EP_AUTOTUNE", "off")

@@ -153,16 +153,28 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
               "a positive int (with valid_rows)")
         check(valid_rows.device == dev, "valid_rows.device", str(valid_rows.device), str(dev))
         valid_rows = valid_rows.to(torch.int32).contiguous()
+    route = Route(counts, offsets, slot, row_of_slot)
     if N == 0:
         offsets.zero_()
         counts.zero_()
-        return Route(counts, offsets, slot, row_of_slot)
+    else:
+        _launch_route(topk_idx.contiguous(), valid_rows, rows_per_group or 1, L, route)
+    return route
+
+
+def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warps: int | None = None) -> None:
+    """The route kernels for contiguous ``idx [M, K]`` into ``out``'s buffers: one launch up to
+    ``_ROUTE_ONE_LAUNCH`` ids, else histogram / scan / place over chunks. ``warps``: the launch width (default:
+    the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it)."""
+    M, K = idx.shape
+    N, dev, has_valid = M * K, idx.device, valid_rows is not None
     chunk = max(16, triton.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
     C, LP = triton.cdiv(N, chunk), triton.next_power_of_2(L + 1)
-    warps = 8 if chunk > 1024 else 4
-    idx = topk_idx.contiguous()
+    if warps is None:  # H200: 8 warps route 1024 ids in 6.2 us (4: 8.8), 32768 (chunks of 1024) in 11.7 us (4: 14.2)
+        warps = 8 if chunk >= 1024 else 4
+    counts, offsets, slot, row_of_slot = out.counts, out.offsets, out.slot, out.row_of_slot
     args = (idx, valid_rows if has_valid else counts)
-    rest = (N, K, rows_per_group or 1, L)
+    rest = (N, K, rows_per_group, L)
     if C == 1:
         _route_place_kernel[(1,)](*args, counts, counts, counts, offsets, slot, row_of_slot, *rest, HAS_VALID=has_valid,
                                   ONE_CHUNK=True, CHUNK=chunk, LP=LP, num_warps=warps)
@@ -173,7 +185,6 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
         _route_scan_kernel[(1,)](hist, first, counts, offsets, C, L, LP=LP, num_warps=4)
         _route_place_kernel[(C,)](*args, hist, first, counts, offsets, slot, row_of_slot, *rest, HAS_VALID=has_valid,
                                   ONE_CHUNK=False, CHUNK=chunk, LP=LP, num_warps=warps)
-    return Route(counts, offsets, slot, row_of_slot)
 
 
 def _gather_configs():
