@@ -29,6 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4, tuning  # noqa: E402
+from moe_ep.commands.common import time_graph  # noqa: E402
 
 gg = sys.modules["moe_ep.kernels.grouped_gemm"]
 
@@ -49,11 +50,7 @@ def rel_err(a, b):
 def bench(fn):
     """GPU time in us: median of CUDA-graph replays (no host launch overhead in the number); eager
     ``do_bench`` for a function that cannot be captured."""
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return time_graph(fn, rep_ms=100) * 1e6
 
 
 @triton.jit

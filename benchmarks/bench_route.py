@@ -15,18 +15,12 @@ import sys
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
-import triton
-import triton.testing
 
 from moe_ep.kernels import bridge
 from moe_ep.reference import route_experts_ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import torch_route  # noqa: E402
-
-
-def graph_us(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+from bench_layer import graph_us, torch_route  # noqa: E402
 
 
 def main():

@@ -132,17 +132,32 @@ def _syncs(fn) -> bool:
     return False
 
 
+def _graph_times(fns, rep_ms: float) -> list[float] | None:
+    """Median seconds per call of each of ``fns`` replayed from a CUDA graph (the GPU time, without the host's
+    launch overhead; ``triton.testing.do_bench_cudagraph``), or None when one of them cannot be captured."""
+    if INTERPRETER or not torch.cuda.is_available() or any(_syncs(fn) for fn in fns):
+        return None
+    import triton.testing
+    try:
+        return [triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e-3 for fn in fns]
+    except RuntimeError:  # a host-dependent shape or another capture failure the sync check did not see
+        torch.cuda.synchronize()
+        return None
+
+
+def time_graph(fn, *, rep_ms: float = 100.0) -> float:
+    """Median seconds per call of ``fn``, replayed from a CUDA graph where it can be captured, else eagerly
+    (:func:`time_call`)."""
+    t = _graph_times([fn], rep_ms)
+    return t[0] if t else time_call(fn, rep_ms=rep_ms)
+
+
 def time_pair(ours, peer, *, rep_ms: float = 100.0) -> tuple[float, float, str]:
     """Median seconds per call of ``ours`` and of ``peer``, timed the same way: replayed from a CUDA graph when
-    both can be captured (the GPU time, without the host's launch overhead; ``triton.testing.do_bench_cudagraph``),
-    else eagerly (:func:`time_call`). Returns ``(ours, peer, "graph" | "eager")``."""
-    if not INTERPRETER and torch.cuda.is_available() and not (_syncs(ours) or _syncs(peer)):
-        import triton.testing
-        try:
-            return (triton.testing.do_bench_cudagraph(ours, rep=rep_ms, return_mode="median") * 1e-3,
-                    triton.testing.do_bench_cudagraph(peer, rep=rep_ms, return_mode="median") * 1e-3, "graph")
-        except RuntimeError:  # a host sync or a host-dependent shape: not capturable
-            torch.cuda.synchronize()
+    both can be captured, else eagerly (:func:`time_call`). Returns ``(ours, peer, "graph" | "eager")``."""
+    t = _graph_times([ours, peer], rep_ms)
+    if t:
+        return t[0], t[1], "graph"
     return time_call(ours, rep_ms=rep_ms), time_call(peer, rep_ms=rep_ms), "eager"
 
 
