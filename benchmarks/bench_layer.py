@@ -2,9 +2,11 @@
 I 2048, top-8; LL at 128 tokens, HT at 4096 tokens, every layout.
 
 Per stage (dispatch, bridge, GEMM1, GEMM2, combine) in microseconds (CUDA events), the whole forward,
-its host overhead (CPU time to enqueue one forward), CUDA-graph replay for LL, and the bridge's steps
+its host overhead (CPU time to enqueue one forward), the same for the layer's CUDA-graph mode
+(``cuda_graph=True``: inputs copied into the graph's buffers, or filled in place), and the bridge's steps
 (gather bandwidth, route, unpermute-reduce; device time, graph-timed) against a device copy of the same
-bytes and against the torch version of the same step, all measured in this run. The short table is printed last; ``--out FILE`` writes everything as JSON.
+bytes and against the torch version of the same step, all measured in this run. The short table is printed
+last; ``--out FILE`` writes everything as JSON.
 
     python benchmarks/bench_layer.py [--weight-format nvfp4] [--out bench_layer.json]
 """
@@ -161,12 +163,16 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
         y = grouped_gemm(h, weights.w2, **off, **rs)
         r["gemm2_us"] = cuda_us(lambda: grouped_gemm(h, weights.w2, **off, **rs))
         r["combine_us"] = cuda_us(lambda: tr.combine(y))
-    if alg == "ll":
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            layer(x, idx, w)
-        r["graph_replay_us"] = cuda_us(g.replay)
-        r["graph_host_us"] = host_us(g.replay)
+    # the layer's CUDA-graph mode: forward = input copy + replay (or replay alone with its own static inputs)
+    gl = MoEEpLayer(cfg, weights, cuda_graph=True)
+    gfwd = lambda: gl(x, idx, w, validate=False)  # noqa: E731
+    r["graph_forward_us"], r["graph_host_us"] = cuda_us(gfwd), host_us(gfwd)
+    static = gl.graph_inputs(B, idx.dtype, w.dtype)
+    for dst, src in zip(static, (x, idx, w)):
+        dst.copy_(src)
+    r["graph_inplace_host_us"] = host_us(lambda: gl(*static, validate=False))
+    r["graph_replay_host_us"] = host_us(gl._graphs.get(B, idx.dtype, w.dtype).graph.replay)  # the floor
+    r["graph_matches_eager"] = bool(torch.equal(gfwd(), fwd()))
     wbytes = sum(t.numel() * t.element_size() for t in (
         [weights.w13, weights.w2] if args.weight_format == "bf16"
         else [weights.w13.data, weights.w13.scales, weights.w2.data, weights.w2.scales]))
@@ -210,10 +216,14 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
     cols = ["dispatch_us", "bridge_us", "gemm1_us", "gemm2_us", "combine_us", "forward_us", "host_us",
-            "graph_replay_us", "weight_floor_us", "flop_floor_us"]
-    print(f"\n{'case':<16}{'tok':>6}" + "".join(f"{c.replace('_us', ''):>11}" for c in cols) + "   (us)")
+            "graph_forward_us", "graph_host_us", "graph_inplace_host_us", "graph_replay_host_us", "weight_floor_us",
+            "flop_floor_us"]
+    heads = [c.replace("_us", "").replace("graph_", "g.").replace("inplace_", "inpl.").replace("replay_", "rpl.")
+             for c in cols]
+    print(f"\n{'case':<16}{'tok':>6}" + "".join(f"{h:>12}" for h in heads) + "   (us)")
     for r in results[1:]:
-        print(f"{r['case']:<16}{r['tokens']:>6}" + "".join(f"{r.get(c, float('nan')):>11.1f}" for c in cols))
+        print(f"{r['case']:<16}{r['tokens']:>6}" + "".join(f"{r.get(c, float('nan')):>12.1f}" for c in cols)
+              + ("" if r["graph_matches_eager"] else "   graph != eager (!)"))
     print(f"launch floor (host us): empty Triton kernel {results[0]['triton_launch_host_us']:.1f}, "
           f"torch op {results[0]['torch_op_host_us']:.1f}")
     print(f"\n{'bridge (GB/s, us)':<16}{'gather':>10}{'copy':>10}{'torch':>10}{'route':>10}{'torch':>10}"

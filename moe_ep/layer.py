@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .compute import expert_compute
 from .config import EpConfig
-from .errors import MoEEpConfigError, MoEEpInputError, check
+from .errors import MoEEpConfigError, MoEEpInputError, check, fail
 from .transports import make_transport
 from .transports.torch_dist import group_rank_world
 from .weights import ExpertWeights
@@ -19,6 +21,64 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+class _Graph(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple  # static (hidden_states, topk_idx, topk_weights) the graph reads
+    out: torch.Tensor  # what the graph writes
+
+
+class _ForwardGraphs:
+    """``forward`` as CUDA-graph replays: one graph per (batch size, id dtype, weight dtype), captured on first
+    use from static input buffers; a call copies its inputs into them (one ``_foreach_copy_``) and replays.
+    Inputs that *are* those buffers (:meth:`MoEEpLayer.graph_inputs`) skip the checks and the copy: the
+    forward is then the replay alone. Graphs share one memory pool."""
+
+    def __init__(self, layer: MoEEpLayer):
+        self.layer, self.pool, self.graphs = layer, torch.cuda.graph_pool_handle(), {}
+        self.by_static = {}  # id(static hidden_states) -> its graph entry
+
+    def static_entry(self, x, idx, w):
+        """The entry whose static inputs *are* (x, idx, w), else None: their shapes, dtypes and device are
+        then known, so forward skips its checks and copies."""
+        e = self.by_static.get(id(x))
+        return e if e is not None and e.inputs[0] is x and e.inputs[1] is idx and e.inputs[2] is w else None
+
+    def get(self, B: int, idx_dtype: torch.dtype, w_dtype: torch.dtype, like=None) -> _Graph:
+        """The graph for this key, captured now if new. ``like``: inputs to start the
+        buffers from (else distinct ids per row, so a warm-up autotune sees a real routing)."""
+        key = (B, idx_dtype, w_dtype)
+        if key not in self.graphs:
+            e = self.graphs[key] = self._capture(B, idx_dtype, w_dtype, like)
+            self.by_static[id(e.inputs[0])] = e
+        return self.graphs[key]
+
+    def _capture(self, B, idx_dtype, w_dtype, like):
+        cfg, dev = self.layer.config, self.layer.weights.device
+        if like is not None:
+            static = tuple(t.clone(memory_format=torch.contiguous_format) for t in like)
+        else:
+            ids = (torch.arange(B, device=dev)[:, None] * cfg.top_k + torch.arange(cfg.top_k, device=dev))
+            static = (torch.zeros(B, cfg.hidden_size, dtype=torch.bfloat16, device=dev),
+                      (ids % cfg.num_experts).to(idx_dtype), torch.full((B, cfg.top_k), 1.0 / cfg.top_k,
+                                                                       dtype=w_dtype, device=dev))
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up off the capture: autotuning, buffers, Triton's compiles
+            for _ in range(2):
+                self.layer._run(*static)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.layer._run(*static)
+        return _Graph(graph, static, out)
+
+    def __call__(self, x, idx, w):
+        graph, static, out = self.get(x.shape[0], idx.dtype, w.dtype, like=(x, idx, w))
+        torch._foreach_copy_(list(static), [x, idx, w])
+        graph.replay()
+        return out
+
+
 class MoEEpLayer(torch.nn.Module):
     """One MoE layer split across the ranks of ``group`` (None: the default group, or a single process).
 
@@ -27,13 +87,20 @@ class MoEEpLayer(torch.nn.Module):
     dispatch/combine implementation (``"torch"``: torch.distributed all_to_all; see
     :func:`moe_ep.transports.make_transport`).
 
-    With world size 1 the LOW_LATENCY forward has no host sync (validation aside, see :meth:`forward`) and
-    can be captured in a CUDA graph. With more ranks the portable transport syncs once per dispatch and
-    once per combine (its all_to_all split sizes live on the host).
+    The forward has no host sync (validation aside, see :meth:`forward`) at world size 1, and over
+    NCCL-EP (LOW_LATENCY) or NIXL-EP at any world size, and can then be captured in a CUDA graph.
+    ``cuda_graph=True`` does that inside the layer: each batch size is captured on first use and every
+    later ``forward`` replays it (a few us of host time instead of hundreds; the returned tensor is then
+    the graph's output buffer, overwritten by the next forward of that size: clone it to keep it). A
+    capture runs the forward twice to warm up, collectives included, so with several ranks every rank
+    must capture the same batch sizes in the same order: call :meth:`graph_inputs` for each size on all
+    ranks first (a rank may then replay any of them, or run 0 tokens eagerly, in any step). With more
+    ranks the portable transport syncs once per dispatch and once per combine (its all_to_all split
+    sizes live on the host), so it cannot be captured.
     """
 
     def __init__(self, config: EpConfig, weights: ExpertWeights, *, group=None, transport: str = "torch",
-                 validate: bool = True):
+                 validate: bool = True, cuda_graph: bool = False):
         super().__init__()
         check(isinstance(config, EpConfig), "type(config)", type(config).__name__, "EpConfig", MoEEpConfigError)
         check(isinstance(weights, ExpertWeights), "type(weights)", type(weights).__name__, "ExpertWeights")
@@ -47,37 +114,59 @@ class MoEEpLayer(torch.nn.Module):
         check(weights.format is config.weight_format, "weights.format", weights.format.value,
               f"{config.weight_format.value!r} (EpConfig.weight_format)", MoEEpConfigError)
         self.transport = make_transport(transport, config, group, device=weights.device)
+        self._graphs = None
+        if cuda_graph:
+            capturable = getattr(self.transport, "graph_capturable", False)
+            check(capturable, f"cuda_graph=True with transport {self.transport.name!r}, {config.algorithm.value}, "
+                  "world size", self.world_size, "a transport that runs without host syncs: 'torch' at world size "
+                  "1, 'nccl_ep' with LOW_LATENCY, 'nixl_ep'", MoEEpConfigError)
+            check(weights.device.type == "cuda", "cuda_graph=True with weights on", str(weights.device),
+                  "CUDA weights", MoEEpConfigError)
+            self._graphs = _ForwardGraphs(self)
 
     def _check_inputs(self, x, idx, w, validate: bool) -> None:
         cfg, dev = self.config, self.weights.device
-        for name, t in (("hidden_states", x), ("topk_idx", idx), ("topk_weights", w)):
-            check(isinstance(t, torch.Tensor), f"type({name})", type(t).__name__, "a torch.Tensor")
-            check(t.dim() == 2, f"{name}.shape", tuple(t.shape), "2-D")
-            check(t.device == dev, f"{name}.device", str(t.device), f"{dev} (the weights' device)")
-        B = x.shape[0]
-        check(x.shape[1] == cfg.hidden_size, "hidden_states.shape", tuple(x.shape), f"[B, {cfg.hidden_size}]")
-        check(x.dtype == torch.bfloat16, "hidden_states.dtype", x.dtype, "torch.bfloat16")
-        check(B <= cfg.max_tokens_per_rank, "hidden_states.shape[0] (tokens)", B,
-              f"<= max_tokens_per_rank ({cfg.max_tokens_per_rank})")
-        check(tuple(idx.shape) == (B, cfg.top_k), "topk_idx.shape", tuple(idx.shape), f"({B}, {cfg.top_k})")
-        check(idx.dtype in _IDX_DTYPES, "topk_idx.dtype", idx.dtype, "torch.int32, torch.int64")
-        check(tuple(w.shape) == (B, cfg.top_k), "topk_weights.shape", tuple(w.shape), f"({B}, {cfg.top_k})")
-        check(w.dtype in _W_DTYPES, "topk_weights.dtype", w.dtype, "torch.float32, torch.bfloat16, torch.float16")
-        if validate and B and not _capturing(x):  # value checks: one host sync, details only on failure
-            s = idx.sort(dim=1).values
-            dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
-            bad = torch.stack([(idx < -1).any() | (idx >= cfg.num_experts).any(), dup.any(),
-                               ~torch.isfinite(w).all()])
-            if not bool(bad.any()):
-                return
-            if bool(bad[0]):
-                lo, hi = int(idx.min()), int(idx.max())
-                raise MoEEpInputError(f"topk_idx range = ({lo}, {hi}); allowed: ids in [-1, {cfg.num_experts})")
-            if bool(bad[1]):
-                row = int(dup.nonzero()[0, 0])
-                raise MoEEpInputError(f"topk_idx[{row}] = {idx[row].tolist()}; allowed: distinct expert ids "
-                                      "per row (-1 may repeat)")
-            raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
+        for name, t in (("hidden_states", x), ("topk_idx", idx), ("topk_weights", w)):  # cheap when it passes
+            if not isinstance(t, torch.Tensor):
+                fail(f"type({name})", type(t).__name__, "a torch.Tensor")
+            if t.dim() != 2:
+                fail(f"{name}.shape", tuple(t.shape), "2-D")
+            if t.device != dev:
+                fail(f"{name}.device", str(t.device), f"{dev} (the weights' device)")
+        B, K = x.shape[0], cfg.top_k
+        if x.shape[1] != cfg.hidden_size:
+            fail("hidden_states.shape", tuple(x.shape), f"[B, {cfg.hidden_size}]")
+        if x.dtype != torch.bfloat16:
+            fail("hidden_states.dtype", x.dtype, "torch.bfloat16")
+        if B > cfg.max_tokens_per_rank:
+            fail("hidden_states.shape[0] (tokens)", B, f"<= max_tokens_per_rank ({cfg.max_tokens_per_rank})")
+        if idx.shape[0] != B or idx.shape[1] != K:
+            fail("topk_idx.shape", tuple(idx.shape), f"({B}, {K})")
+        if idx.dtype not in _IDX_DTYPES:
+            fail("topk_idx.dtype", idx.dtype, "torch.int32, torch.int64")
+        if w.shape[0] != B or w.shape[1] != K:
+            fail("topk_weights.shape", tuple(w.shape), f"({B}, {K})")
+        if w.dtype not in _W_DTYPES:
+            fail("topk_weights.dtype", w.dtype, "torch.float32, torch.bfloat16, torch.float16")
+        if validate and B and not _capturing(x):
+            self._check_values(idx, w)
+
+    def _check_values(self, idx, w) -> None:
+        """Id ranges, duplicate ids in a row, finite weights: one host sync, details only on failure."""
+        E = self.config.num_experts
+        s = idx.sort(dim=1).values
+        dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
+        bad = torch.stack([(idx < -1).any() | (idx >= E).any(), dup.any(), ~torch.isfinite(w).all()])
+        if not bool(bad.any()):
+            return
+        if bool(bad[0]):
+            lo, hi = int(idx.min()), int(idx.max())
+            raise MoEEpInputError(f"topk_idx range = ({lo}, {hi}); allowed: ids in [-1, {E})")
+        if bool(bad[1]):
+            row = int(dup.nonzero()[0, 0])
+            raise MoEEpInputError(f"topk_idx[{row}] = {idx[row].tolist()}; allowed: distinct expert ids "
+                                  "per row (-1 may repeat)")
+        raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
 
     def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
                 validate: bool | None = None) -> torch.Tensor:
@@ -90,7 +179,34 @@ class MoEEpLayer(torch.nn.Module):
         while a CUDA graph is being captured.
         """
         v = self.validate if validate is None else validate
+        if self._graphs is not None:  # the graph's own static inputs: replay alone (a few us of host time)
+            e = self._graphs.static_entry(hidden_states, topk_idx, topk_weights)
+            if e is not None:
+                if v:
+                    self._check_values(topk_idx, topk_weights)
+                e.graph.replay()
+                return e.out
         self._check_inputs(hidden_states, topk_idx, topk_weights, v)
+        if self._graphs is not None and hidden_states.shape[0] and not _capturing(hidden_states):
+            return self._graphs(hidden_states, topk_idx, topk_weights)
+        return self._run(hidden_states, topk_idx, topk_weights)
+
+    def graph_inputs(self, batch_size: int, idx_dtype: torch.dtype = torch.int64,
+                     weight_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static ``(hidden_states, topk_idx, topk_weights)`` buffers of the graph for ``batch_size``
+        (captured now if new; needs ``cuda_graph=True``). Fill them in place and pass them to ``forward``:
+        it then replays without copying its inputs."""
+        if self._graphs is None:
+            fail("graph_inputs with cuda_graph", False, "MoEEpLayer(..., cuda_graph=True)", MoEEpConfigError)
+        if not 0 < batch_size <= self.config.max_tokens_per_rank:
+            fail("batch_size", batch_size, f"1..{self.config.max_tokens_per_rank} (max_tokens_per_rank)")
+        if idx_dtype not in _IDX_DTYPES:
+            fail("idx_dtype", idx_dtype, "torch.int32, torch.int64")
+        if weight_dtype not in _W_DTYPES:
+            fail("weight_dtype", weight_dtype, "torch.float32, torch.bfloat16, torch.float16")
+        return self._graphs.get(batch_size, idx_dtype, weight_dtype).inputs
+
+    def _run(self, hidden_states, topk_idx, topk_weights) -> torch.Tensor:
         d = self.transport.dispatch(hidden_states, topk_idx, topk_weights)
         y = expert_compute(self.config, d, self.weights)
         return self.transport.combine(y)

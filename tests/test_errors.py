@@ -106,6 +106,20 @@ def test_device_mismatch():
         _layer()(x.cpu(), i, w)
 
 
+def test_cuda_graph_needs_a_capturable_transport_and_cuda_weights(monkeypatch):
+    with pytest.raises(MoEEpConfigError, match="cuda_graph"):
+        _layer().graph_inputs(2)
+    if device().type == "cpu":
+        with pytest.raises(MoEEpConfigError, match="CUDA weights"):
+            _layer(cuda_graph=True)
+
+    class Syncing:  # a transport whose dispatch needs the host (the portable one with several ranks)
+        name, graph_capturable = "torch", False
+    monkeypatch.setattr("moe_ep.layer.make_transport", lambda *a, **k: Syncing())
+    with pytest.raises(MoEEpConfigError, match="world size 1"):
+        _layer(cuda_graph=True)
+
+
 def test_validate_off_skips_value_checks():
     layer = _layer()
     x, i, w = _inputs()

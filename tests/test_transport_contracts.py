@@ -171,6 +171,9 @@ def test_nccl_ep_ll_hidden_rule():
 @pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
 def test_nccl_ep_nvfp4_forwards_packed_rows(alg, lay):
     """bf16 in; codes + e4m3 scales + the rank's global scale travel (FWD); NvFp4Tensor out, per-row scale."""
+    from moe_ep.triton_runtime import device
+    if device().type != "cpu":  # the stand-in library's tensors live on the CPU, the quantize kernel on the GPU
+        pytest.skip("needs the kernels on the CPU (the interpreter, as in CI) to meet the CPU stand-in library")
     from moe_ep.kernels.nvfp4 import quantize_nvfp4
     from moe_ep.reference import global_scale_from_amax
     H = 256

@@ -96,3 +96,32 @@ def test_layer_on_real_transport_matches_portable(pg, name, alg, lay):
             assert rel < 1e-2  # the same compute on the same rows; only the combine's summation order may differ
     finally:
         real.transport.close()
+
+
+@pytest.mark.parametrize("name,lay", [("nccl_ep", "expert_major"), ("nccl_ep", "rank_major"),
+                                      ("nixl_ep", "expert_major")])
+def test_layer_cuda_graph_on_real_transport(pg, name, lay):
+    """MoEEpLayer(cuda_graph=True) over the real transport (LL): every replay equals the portable eager layer."""
+    why = {"nccl_ep": nccl_ep_problem, "nixl_ep": nixl_ep_problem}[name]()
+    if why:
+        pytest.skip(f"{name} unavailable: {why}")
+    from moe_ep import ExpertWeights, MoEEpLayer
+    c = EpConfig(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=256, max_tokens_per_rank=64,
+                 algorithm="ll", layout=lay)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = ExpertWeights(torch.randn(16, 512, 2048, device=dev, generator=g).to(torch.bfloat16) * 0.02,
+                            torch.randn(16, 2048, 256, device=dev, generator=g).to(torch.bfloat16) * 0.02, "bf16")
+    ours, graphed = MoEEpLayer(c, weights), MoEEpLayer(c, weights, transport=name, cuda_graph=True)
+    try:
+        for B in (64, 7, 64, 1):
+            x = torch.randn(B, 2048, device=dev, generator=g).to(torch.bfloat16)
+            idx = torch.rand(B, 16, device=dev, generator=g).topk(4, -1).indices
+            idx[torch.rand(B, 4, device=dev, generator=g) < 0.2] = -1
+            w = torch.rand(B, 4, device=dev, generator=g)
+            a, b = ours(x, idx, w), graphed(x, idx, w)
+            rel = ((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+            assert rel < 1e-2, (B, rel)
+        assert len(graphed._graphs.graphs) == 3
+    finally:
+        graphed.transport.close()

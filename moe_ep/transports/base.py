@@ -41,6 +41,7 @@ class Transport(Protocol):
     """Moves tokens between ranks. One instance per layer config; buffers are allocated once."""
 
     name: str
+    graph_capturable: bool  # dispatch + combine run with no host sync (MoEEpLayer(cuda_graph=True) needs it)
 
     def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> DispatchResult:

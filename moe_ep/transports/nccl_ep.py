@@ -77,6 +77,7 @@ class NcclEpTransport:
         self.rank, self.world = rank, world_size
         self.L = c.local_experts(world_size)
         self.ht = c.algorithm is Algorithm.HIGH_THROUGHPUT
+        self.graph_capturable = not self.ht  # LL: captured and replayed in tests (1 and 2 ranks); HT: not verified
         self.fp4 = c.activation_format is Format.NVFP4
         if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
             raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
