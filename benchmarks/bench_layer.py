@@ -60,6 +60,25 @@ def host_us(fn, iters: int = 20) -> float:
     return dt / iters * 1e6
 
 
+def graph_mode_times(graphed: MoEEpLayer, x, idx, w, eager_fwd) -> dict:
+    """A ``cuda_graph=True`` layer's forward timed on the caller's tensors (input copies + replay), in place (its
+    ``graph_inputs`` filled, so the replay alone) and as the bare replay; device us (CUDA events) and host us to
+    enqueue one, ``validate=False``. Also whether its output equals ``eager_fwd()``'s. Every rank of a collective
+    run calls this in the same order (the capture's warm-ups and each timed call are collective)."""
+    B = x.shape[0]
+    static = graphed.graph_inputs(B, idx.dtype, w.dtype)  # captured here
+    for dst, src in zip(static, (x, idx, w)):
+        dst.copy_(src)
+    gfwd = lambda: graphed(x, idx, w, validate=False)  # noqa: E731
+    inplace = lambda: graphed(*static, validate=False)  # noqa: E731
+    ref, got = eager_fwd().float(), inplace().float()
+    return {"graph_forward_us": cuda_us(gfwd), "graph_host_us": host_us(gfwd),
+            "graph_inplace_us": cuda_us(inplace), "graph_inplace_host_us": host_us(inplace),
+            "graph_replay_host_us": host_us(graphed._graphs.get(B, idx.dtype, w.dtype).graph.replay),  # the floor
+            "graph_matches_eager": bool(torch.equal(got, ref)),
+            "graph_rel_err": ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()}
+
+
 @triton.jit
 def _empty_kernel(p, n):
     pass
@@ -163,16 +182,7 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
         y = grouped_gemm(h, weights.w2, **off, **rs)
         r["gemm2_us"] = cuda_us(lambda: grouped_gemm(h, weights.w2, **off, **rs))
         r["combine_us"] = cuda_us(lambda: tr.combine(y))
-    # the layer's CUDA-graph mode: forward = input copy + replay (or replay alone with its own static inputs)
-    gl = MoEEpLayer(cfg, weights, cuda_graph=True)
-    gfwd = lambda: gl(x, idx, w, validate=False)  # noqa: E731
-    r["graph_forward_us"], r["graph_host_us"] = cuda_us(gfwd), host_us(gfwd)
-    static = gl.graph_inputs(B, idx.dtype, w.dtype)
-    for dst, src in zip(static, (x, idx, w)):
-        dst.copy_(src)
-    r["graph_inplace_host_us"] = host_us(lambda: gl(*static, validate=False))
-    r["graph_replay_host_us"] = host_us(gl._graphs.get(B, idx.dtype, w.dtype).graph.replay)  # the floor
-    r["graph_matches_eager"] = bool(torch.equal(gfwd(), fwd()))
+    r.update(graph_mode_times(MoEEpLayer(cfg, weights, cuda_graph=True), x, idx, w, fwd))
     wbytes = sum(t.numel() * t.element_size() for t in (
         [weights.w13, weights.w2] if args.weight_format == "bf16"
         else [weights.w13.data, weights.w13.scales, weights.w2.data, weights.w2.scales]))

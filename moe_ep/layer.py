@@ -116,9 +116,9 @@ class MoEEpLayer(torch.nn.Module):
         self.transport = make_transport(transport, config, group, device=weights.device)
         self._graphs = None
         if cuda_graph:
-            capturable = getattr(self.transport, "graph_capturable", False)
-            check(capturable, f"cuda_graph=True with transport {self.transport.name!r}, {config.algorithm.value}, "
-                  "world size", self.world_size, "a transport that runs without host syncs: 'torch' at world size "
+            check(self.transport.graph_capturable,
+                  f"cuda_graph=True with transport {self.transport.name!r}, {config.algorithm.value}, world size",
+                  self.world_size, "a transport that runs without host syncs: 'torch' at world size "
                   "1, 'nccl_ep' with LOW_LATENCY, 'nixl_ep'", MoEEpConfigError)
             check(weights.device.type == "cuda", "cuda_graph=True with weights on", str(weights.device),
                   "CUDA weights", MoEEpConfigError)
