@@ -98,7 +98,7 @@ def warm(x, w13, w2, idx, m, table):
     fp4 = not isinstance(w13, torch.Tensor)
     for (n, k, sw), c in zip(((n1, k1, True), (n2, k2, False)), won):
         if c.get("config"):
-            cfg = {k_: c["config"][k_] for k_ in (*tuning.GEMM_PARAMS, "num_warps", "num_stages")}
+            cfg = {k_: c["config"][k_] for k_ in (*tuning.GEMM_PARAMS, "TMA", "num_warps", "num_stages")}
             table.setdefault(tuning.shape_class(n, k, False, fp4, sw), {})[str(tuning.m_bucket(m))] = cfg
     return won
 
@@ -107,7 +107,7 @@ def short(c):
     if not c or not c.get("config"):
         return "-"
     k = c["config"]
-    return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}"
+    return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}{'t' if k.get('TMA') else ''}"
             f"/w{k['num_warps']}s{k['num_stages']}")
 
 

@@ -51,9 +51,7 @@ def _assert_close(out, ref, valid, tol):
     assert torch.isnan(out[~valid].float()).all(), "rows outside the experts' counts were written"
 
 
-@_fixture_ok
-@given(gemm_cases(GEMM_BOUNDS))
-def test_grouped_gemm_matches_reference(dev, c):
+def _check_gemm(dev, c, m_hint):
     gen = torch.Generator().manual_seed(c["seed"])
     G, K, N = c["G"], c["K"], c["N"]
     x, idx, valid, rows = make_gemm_operands(c, dev)
@@ -62,9 +60,53 @@ def test_grouped_gemm_matches_reference(dev, c):
     wk, wr = gemm_operand(w, c["w_fmt"], per_slice=True)
     rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
     out = torch.full((*rows, N), float("nan"), dtype=torch.bfloat16, device=dev)  # poisoned
-    got = grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs, out=out, m_hint=c["m_hint"])
+    got = grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs, out=out, m_hint=m_hint)
     assert got is out
     ref = grouped_gemm_ref(xr, wr, **idx, swiglu=c["swiglu"], row_scale=rs)
+    _assert_close(out, ref, valid, GEMM_TOL)
+    return x.numel()
+
+
+@_fixture_ok
+@given(gemm_cases(GEMM_BOUNDS))
+def test_grouped_gemm_matches_reference(dev, c):
+    _check_gemm(dev, c, c["m_hint"])
+
+
+_TMA = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "SWAP_AB": False, "GROUP_M": 2, "TMA": True, "num_warps": 4,
+        "num_stages": 1}
+
+
+@_fixture_ok
+@given(gemm_cases(GEMM_BOUNDS))
+def test_tma_config_matches_reference(dev, monkeypatch, c):
+    """A TMA config (persistent grid, tensor-descriptor tiles), ragged bf16 operands: tiles past an expert's rows,
+    empty experts, rows of no expert, N and K past the tiles, poisoned rows."""
+    monkeypatch.setattr(tuning, "tuned_gemm_config", lambda *a, **k: dict(_TMA))
+    gg.last_launch.clear()
+    if not _check_gemm(dev, dict(c, x_fmt="bf16", w_fmt="bf16", ragged=True), 64):  # prefill bucket (decode: no TMA)
+        assert not gg.last_launch  # no rows: nothing launched
+        return
+    assert gg.last_launch["config"]["TMA"] is tuning.tma_supported()
+
+
+def test_tma_config_falls_back_to_pointer_loads(dev, monkeypatch):
+    """Where TMA cannot run, a TMA config's tiles go through pointer loads: NVFP4 weights, and the masked layout
+    (a TMA box would read an expert's padding rows)."""
+    monkeypatch.setattr(tuning, "tuned_gemm_config", lambda *a, **k: dict(_TMA))
+    x = torch.randn(40, 64).bfloat16().to(dev)
+    wq, wr = gemm_operand(torch.randn(2, 48, 64).bfloat16().to(dev), "nvfp4", per_slice=True)
+    offs = torch.tensor([0, 25, 40], device=dev)
+    out = grouped_gemm(x, wq, offsets=offs, m_hint=64)
+    assert gg.last_launch["config"] == dict(_TMA, TMA=False)
+    ref = grouped_gemm_ref(x, wr, offsets=offs)
+    assert (out.float() - ref).norm() <= GEMM_TOL * ref.norm()
+    xm, cnt = x.view(2, 20, 64), torch.tensor([20, 7], device=dev)
+    out = torch.full((2, 20, 48), float("nan"), dtype=torch.bfloat16, device=dev)
+    grouped_gemm(xm, wr.bfloat16(), counts=cnt, out=out, m_hint=64)
+    assert gg.last_launch["config"] == dict(_TMA, TMA=False)
+    ref = grouped_gemm_ref(xm, wr.bfloat16(), counts=cnt)
+    valid = torch.arange(20, device=dev)[None, :] < cnt[:, None]
     _assert_close(out, ref, valid, GEMM_TOL)
 
 
@@ -177,13 +219,13 @@ def test_tuned_config_file_overrides_autotune(dev, tmp_path, monkeypatch):
     other = dict(_ODD, BLOCK_N=32)
     _tuned_file(tmp_path, monkeypatch, {tuning.shape_class(N, K, False, False, True): {"16": _ODD, "256": other}})
     out = grouped_gemm(x, w, counts=cnt, swiglu=True)
-    assert gg.last_launch == {"source": "tuned-file", "config": _ODD}
+    assert gg.last_launch == {"source": "tuned-file", "config": dict(_ODD, TMA=False)}
     ref = grouped_gemm_ref(x, w, counts=cnt, swiglu=True)
     assert (out[0, :5].float() - ref[0, :5]).norm() <= GEMM_TOL * ref[0, :5].norm()
     grouped_gemm(x, w, counts=cnt, swiglu=True, m_hint=200)  # nearest bucket
-    assert gg.last_launch["config"] == other
+    assert gg.last_launch["config"] == dict(other, TMA=False)
     grouped_gemm(x, w, counts=cnt, swiglu=True, m_hint=100)  # 128: nearer 256 than 16 by ratio (16 by difference)
-    assert gg.last_launch["config"] == other
+    assert gg.last_launch["config"] == dict(other, TMA=False)
     grouped_gemm(x, w[:, :N].contiguous(), counts=cnt)  # another shape class: not in the file
     assert gg.last_launch["source"] == "autotune"
 
@@ -219,8 +261,10 @@ def test_compile_checks_cover_every_variant():
         assert not isinstance(fn, triton.runtime.autotuner.Autotuner) and hasattr(fn, "arg_names")
         assert set(sig) == set(fn.arg_names)
         assert all(sig[k] == "constexpr" for k in const)
-        seen.add(tuple(const[k] for k in ("RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB")))
-    want = {(r, xf, wf, s, not s, sw) for r in (0, 1) for xf in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
+        seen.add(tuple(const[k] for k in ("RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB", "TMA")))
+    want = {(r, xf, wf, s, not s, sw, 0)
+            for r in (0, 1) for xf in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
+    want |= {(1, 0, 0, s, not s, 0, 1) for s in (0, 1)}  # TMA: ragged, bf16 operands, not swapped
     assert {tuple(bool(v) for v in t) for t in seen} == {tuple(bool(v) for v in t) for t in want}
 
 

@@ -30,7 +30,7 @@ from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_f
 
 FORMATS = ("bf16", "nvfp4")
 GEMMS = ("gemm1", "gemm2")
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "num_warps", "num_stages")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA", "num_warps", "num_stages")
 
 
 def add_arguments(parser) -> None:
@@ -61,7 +61,7 @@ def _kernels():
         raise MoEEpConfigError(f"grouped GEMM kernels = missing ({e}); allowed: a build with "
                                "moe_ep.kernels.grouped_gemm") from None
     for name in ("grouped_gemm_configs", "prune_grouped_gemm_configs", "shape_class", "device_name",
-                 "config_dirs", "m_bucket", "tuned_gemm_config", "config_dict"):
+                 "config_dirs", "m_bucket", "tuned_gemm_config", "config_dict", "tma_supported"):
         if not hasattr(tuning, name):
             raise MoEEpConfigError(f"moe_ep.kernels.tuning.{name} = missing; allowed: the tuned-config API")
     return gg, tuning
@@ -116,8 +116,9 @@ def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev) -> dict
     """Time each candidate config of shape ``s`` until ``budget_s``; the best and every timing."""
     cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(),
                                               {"M_BUCKET": tuning.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
-                                               "G": s["G"], "SWIGLU": s["swiglu"]}, SWIGLU=s["swiglu"],
-                                              W_FP4=s["w_fp4"])
+                                               "G": s["G"], "SWIGLU": s["swiglu"],
+                                               "TMA_OK": not s["x_fp4"] and not s["w_fp4"] and tuning.tma_supported()},
+                                              SWIGLU=s["swiglu"], W_FP4=s["w_fp4"])
     x, w, offsets = _operands(s, dev)
     fn = lambda: gg.grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])  # noqa: E731
     t_start, timings, best = time.perf_counter(), [], None

@@ -54,9 +54,44 @@ def m_bucket(m: int) -> int:
     return max(16, triton.next_power_of_2(max(int(m), 1)))
 
 
-def _gemm(bm, bn, bk, swap, stages, warps, group_m=8):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWAP_AB": swap, "GROUP_M": group_m},
-                         num_warps=warps, num_stages=stages)
+def _gemm(bm, bn, bk, swap, stages, warps, group_m=8, tma=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SWAP_AB": swap, "GROUP_M": group_m,
+                          "TMA": tma}, num_warps=warps, num_stages=stages, pre_hook=set_tma_blocks if tma else None)
+
+
+def set_tma_blocks(nargs) -> None:
+    """Give the grouped GEMM's TMA descriptors the tile shapes of the config about to run (x: BLOCK_M x BLOCK_K,
+    w: BLOCK_N x BLOCK_K); a config's pre-hook."""
+    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def tma_supported() -> bool:
+    """Whether the grouped GEMM can load bf16 tiles by TMA here: Hopper or newer (or the interpreter, which runs
+    the same tensor-descriptor code)."""
+    if INTERPRETER:
+        return True
+    return torch.cuda.is_available() and _capability(torch.cuda.current_device()) >= 9
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def resident_programs(meta: dict, swiglu: bool) -> int:
+    """How many programs of a TMA config run at once on this GPU (by shared memory: the pipeline's x and weight
+    tiles per stage), the persistent grid size."""
+    stage = (meta["BLOCK_M"] + (2 if swiglu else 1) * meta["BLOCK_N"]) * meta["BLOCK_K"] * 2
+    return sm_count() * max(1, _smem_per_sm() // (meta.get("num_stages", 3) * stage + 1024))
+
+
+@lru_cache(maxsize=None)
+def _smem_per_sm() -> int:
+    if not torch.cuda.is_available():
+        return 1
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
 
 
 def grouped_gemm_configs() -> list[triton.Config]:
@@ -65,8 +100,9 @@ def grouped_gemm_configs() -> list[triton.Config]:
     Decode (few tokens per expert) is bound by reading weights: BLOCK_M 16/32 with swapped operands, many
     N tiles so every SM streams weights, deep pipelines. Prefill is bound by the tensor cores: large tiles.
     """
-    if INTERPRETER:  # one decode-style (swapped) and one prefill-style config, blocks as large as tests allow
-        return [_gemm(16, 64, 64, True, 1, 4), _gemm(32, 64, 64, False, 1, 4)]
+    if INTERPRETER:  # one decode-style (swapped), one prefill-style config and its TMA form, blocks as large as
+        return [_gemm(16, 64, 64, True, 1, 4), _gemm(32, 64, 64, False, 1, 4),  # tests allow
+                _gemm(32, 64, 64, False, 1, 4, tma=True)]
     space = []
     for bm in (16, 32):  # decode, swap AB
         for bn, bk in ((64, 128), (64, 256), (128, 128), (128, 256)):
@@ -80,6 +116,8 @@ def grouped_gemm_configs() -> list[triton.Config]:
                                       (128, 64, 64, 4, 4), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4),
                                       (128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (64, 256, 64, 4, 8)):
         space.append(_gemm(bm, bn, bk, False, stages, warps))
+    for bn, stages in ((128, 4), (128, 3), (256, 3), (256, 4)):  # prefill, bf16: TMA loads, persistent grid
+        space.append(_gemm(128, bn, 64, False, stages, 8, tma=True))
     return space
 
 
@@ -101,8 +139,11 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     w_fp4 = bool(kwargs.get("W_FP4", named_args.get("W_FP4", False)))
     right_kind = []  # operand order fit for the shape, before the size filters
     keep = []
+    tma_ok = named_args.get("x_desc") is not None or bool(named_args.get("TMA_OK"))
     for c in configs:
         kw = c.kwargs
+        if kw.get("TMA") and not tma_ok:
+            continue
         if kw["SWAP_AB"]:
             if not decode and not (w_fp4 and m <= FP4_SWAP_MAX_M):
                 continue
@@ -156,7 +197,7 @@ def config_dict(cfg: triton.Config) -> dict:
     """A grouped-GEMM ``triton.Config`` as the tuned-config file stores it."""
     kw = cfg.kwargs
     return {"BLOCK_M": int(kw["BLOCK_M"]), "BLOCK_N": int(kw["BLOCK_N"]), "BLOCK_K": int(kw["BLOCK_K"]),
-            "SWAP_AB": bool(kw["SWAP_AB"]), "GROUP_M": int(kw.get("GROUP_M", 8)),
+            "SWAP_AB": bool(kw["SWAP_AB"]), "GROUP_M": int(kw.get("GROUP_M", 8)), "TMA": bool(kw.get("TMA", False)),
             "num_warps": int(cfg.num_warps), "num_stages": int(cfg.num_stages)}
 
 
@@ -222,7 +263,9 @@ def _validate(cfg, where: str) -> dict:
             raise MoEEpConfigError(f"{where}.{key} = {v!r}; allowed: a power of two >= 16")
     if cfg["BLOCK_K"] < 32:
         raise MoEEpConfigError(f"{where}.BLOCK_K = {cfg['BLOCK_K']}; allowed: >= 32")
-    return {**{k: cfg[k] for k in GEMM_PARAMS}, "SWAP_AB": bool(cfg["SWAP_AB"]),
+    if not isinstance(cfg.get("TMA", False), bool):
+        raise MoEEpConfigError(f"{where}.TMA = {cfg['TMA']!r}; allowed: true or false (optional)")
+    return {**{k: cfg[k] for k in GEMM_PARAMS}, "SWAP_AB": bool(cfg["SWAP_AB"]), "TMA": cfg.get("TMA", False),
             "num_warps": int(cfg["num_warps"]), "num_stages": int(cfg["num_stages"])}
 
 
@@ -230,8 +273,10 @@ def tuned_gemm_config(n: int, k: int, m: int, x_fp4: bool, w_fp4: bool, swiglu: 
     """The tuned config for this shape from ``<dir>/<device_name>.json``, or None (then autotune).
 
     File format (vLLM style): ``{shape_class: {"<tokens-per-expert bucket>": {BLOCK_M, BLOCK_N, BLOCK_K,
-    SWAP_AB, GROUP_M, num_warps, num_stages}}}``; the nearest bucket present is used, nearest by ratio (with
-    buckets 16 and 1024, 256 tokens per expert take the 1024 config, not the 16-token decode one).
+    SWAP_AB, GROUP_M, num_warps, num_stages[, TMA]}}}``; the nearest bucket present is used, nearest by ratio
+    (with buckets 16 and 1024, 256 tokens per expert take the 1024 config, not the 16-token decode one).
+    TMA (optional, default false): bf16 tiles loaded by tensor descriptors on a persistent grid; where TMA cannot
+    run (NVFP4 operands, a GPU older than Hopper) the same tiles go through pointer loads.
     """
     key, want = shape_class(n, k, x_fp4, w_fp4, swiglu), m_bucket(m)
     for d in config_dirs():
