@@ -245,7 +245,8 @@ def test_search_off_launches_the_first_suitable_config_untimed(dev, tmp_path, mo
 
 
 @pytest.mark.parametrize("table", [[1, 2], {tuning.shape_class(32, 32, False, False, False): {"16": {"BLOCK_M": 16}}},
-                                   {tuning.shape_class(32, 32, False, False, False): {"16": dict(_ODD, BLOCK_N=24)}}])
+                                   {tuning.shape_class(32, 32, False, False, False): {"16": dict(_ODD, BLOCK_N=24)}},
+                                   {tuning.shape_class(32, 32, False, False, False): {"16": dict(_ODD, TMA="yes")}}])
 def test_bad_tuned_config_file_raises(dev, tmp_path, monkeypatch, table):
     _tuned_file(tmp_path, monkeypatch, table)
     x = torch.zeros(1, 2, 32, dtype=torch.bfloat16, device=dev)

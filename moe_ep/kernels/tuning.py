@@ -276,7 +276,8 @@ def tuned_gemm_config(n: int, k: int, m: int, x_fp4: bool, w_fp4: bool, swiglu: 
     SWAP_AB, GROUP_M, num_warps, num_stages[, TMA]}}}``; the nearest bucket present is used, nearest by ratio
     (with buckets 16 and 1024, 256 tokens per expert take the 1024 config, not the 16-token decode one).
     TMA (optional, default false): bf16 tiles loaded by tensor descriptors on a persistent grid; where TMA cannot
-    run (NVFP4 operands, a GPU older than Hopper) the same tiles go through pointer loads.
+    run (NVFP4 operands, the masked layout, decode buckets, a GPU older than Hopper) the same tiles go through
+    pointer loads.
     """
     key, want = shape_class(n, k, x_fp4, w_fp4, swiglu), m_bucket(m)
     for d in config_dirs():
