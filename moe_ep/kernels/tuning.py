@@ -66,32 +66,33 @@ def set_tma_blocks(nargs) -> None:
     nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
+@lru_cache(maxsize=None)
+def _props(index: int):
+    """CUDA device ``index``'s properties, read once: reading them costs ~25 us, too much per kernel call."""
+    return torch.cuda.get_device_properties(index)
+
+
+def _current_props():
+    """The current CUDA device's properties (None without CUDA)."""
+    return _props(torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
 def tma_supported() -> bool:
     """Whether the grouped GEMM can load bf16 tiles by TMA here: Hopper or newer (or the interpreter, which runs
     the same tensor-descriptor code)."""
     if INTERPRETER:
         return True
-    return torch.cuda.is_available() and _capability(torch.cuda.current_device()) >= 9
-
-
-@lru_cache(maxsize=None)
-def _capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    props = _current_props()
+    return props is not None and props.major >= 9
 
 
 def resident_programs(meta: dict, swiglu: bool) -> int:
     """How many programs of a TMA config run at once on this GPU (by shared memory: the pipeline's x and weight
     tiles per stage), the persistent grid size."""
+    props = _current_props()
+    smem = props.shared_memory_per_multiprocessor if props is not None else 1
     stage = (meta["BLOCK_M"] + (2 if swiglu else 1) * meta["BLOCK_N"]) * meta["BLOCK_K"] * 2
-    return sm_count() * max(1, _smem_per_sm() // (meta.get("num_stages", 3) * stage + 1024))
-
-
-@lru_cache(maxsize=None)
-def _smem_per_sm() -> int:
-    if not torch.cuda.is_available():
-        return 1
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+    return sm_count() * max(1, smem // (meta.get("num_stages", 3) * stage + 1024))
 
 
 def grouped_gemm_configs() -> list[triton.Config]:
@@ -123,9 +124,8 @@ def grouped_gemm_configs() -> list[triton.Config]:
 
 def sm_count() -> int:
     """Streaming multiprocessors of the current device (1 without CUDA)."""
-    if not torch.cuda.is_available():
-        return 1
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    props = _current_props()
+    return props.multi_processor_count if props is not None else 1
 
 
 def prune_grouped_gemm_configs(configs, named_args, **kwargs):
@@ -216,12 +216,12 @@ def shape_class(n: int, k: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> str:
 
 def device_name() -> str:
     """File-name form of the current device's name, e.g. ``NVIDIA_H200`` (``cpu`` without CUDA)."""
-    return _device_name(torch.cuda.current_device() if torch.cuda.is_available() else -1)
+    props = _current_props()
+    return _file_name(props.name if props is not None else "cpu")
 
 
 @lru_cache(maxsize=None)
-def _device_name(index: int) -> str:  # cached: reading the device properties costs ~25 us per kernel call
-    name = torch.cuda.get_device_name(index) if index >= 0 else "cpu"
+def _file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip())
 
 
