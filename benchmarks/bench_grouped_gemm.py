@@ -1,10 +1,11 @@
 """Time moe-ep's expert MLP (two grouped GEMMs, SwiGLU fused) against torch._grouped_mm on one GPU.
 
 Each row: a model's local experts at a number of tokens per expert, ragged layout (expert-sorted rows +
-offsets; the masked layout is timed too for decode rows). Columns: our time with bf16 weights (and NVFP4
-weights for decode rows), torch._grouped_mm (bf16, two GEMMs + silu*mul) in the same process, the time a
-plain streaming-read kernel takes to read the bf16 weights once (the practical byte ceiling), the byte floor
-(weight bytes / 4.8 TB/s), the FLOP floor (/ 795 TFLOP/s), and the relative error against the torch peer.
+offsets; the masked layout is timed too for decode rows). Columns: our time with bf16 weights (for decode rows
+also with NVFP4 weights, and with the GEMM1 -> GEMM2 chain off), torch._grouped_mm (bf16, two GEMMs + silu*mul)
+in the same process, the time a plain streaming-read kernel takes to read the bf16 weights once (the practical
+byte ceiling), the byte floor (weight bytes / 4.8 TB/s), the FLOP floor (/ 795 TFLOP/s), and the relative error
+against the torch peer.
 Autotunes first (printing the winning configs); ``--write-configs DIR`` saves the winners as a tuned-config
 file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 
@@ -32,6 +33,7 @@ from moe_ep.kernels import dequantize_nvfp4, tuning  # noqa: E402
 from moe_ep.commands.common import time_graph  # noqa: E402
 
 gg = sys.modules["moe_ep.kernels.grouped_gemm"]
+chain = sys.modules["moe_ep.kernels.chain"]
 
 BW = 4.8e12
 FLOPS = 795e12
@@ -139,6 +141,10 @@ def run_row(name, E, H, I, tpe, fp4, table):
     ours = expert_mlp(x, w13, w2, offsets=offs)
     row["ours_bf16_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
     row["rel_err_bf16"] = rel_err(ours, peer) if peer is not None else float("nan")
+    if tpe <= tuning.DECODE_MAX_M:  # the same with the GEMM1 -> GEMM2 chain off (one GEMM after the other)
+        os.environ[chain.CHAIN_ENV] = "off"
+        row["ours_bf16_unchained_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
+        del os.environ[chain.CHAIN_ENV]
     if tpe <= tuning.DECODE_MAX_M * 4:
         xm = x.view(E, tpe, H)
         warm(xm, w13, w2, dict(counts=counts), tpe, table)
@@ -192,17 +198,19 @@ def main():
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"
 
-    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'masked':>8} {'torch':>8} {'read':>8} {'byteflr':>8} "
-          f"{'flopflr':>8} {'ours fp4':>8} {'fp4flr':>8} {'err bf16':>8} {'err fp4':>8}  "
+    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'unchain':>8} {'masked':>8} {'torch':>8} {'read':>8} "
+          f"{'byteflr':>8} {'flopflr':>8} {'ours fp4':>8} {'fp4flr':>8} {'err bf16':>8} {'err fp4':>8}  "
           "configs (gemm1, gemm2; bf16 | fp4)")
     for r in rows:
         print(f"{r['model'][:16]:16} {r['tokens_per_expert']:5d} {f(r['ours_bf16_us']):>9} "
+              f"{f(r.get('ours_bf16_unchained_us')):>8} "
               f"{f(r.get('ours_bf16_masked_us')):>8} {f(r['torch_grouped_mm_us']):>8} {f(r['read_weights_us']):>8} "
               f"{f(r['byte_floor_us']):>8} "
               f"{f(r['flop_floor_us']):>8} {f(r.get('ours_nvfp4_us')):>8} {f(r.get('byte_floor_nvfp4_us')):>8} "
               f"{r['rel_err_bf16']:8.1e} {r.get('rel_err_nvfp4', float('nan')):8.1e}  "
               f"{','.join(r['configs_bf16'])} | {','.join(r.get('configs_nvfp4', []))}")
-    print("times in us (median of CUDA-graph replays, triton.testing.do_bench_cudagraph); read: the bf16 weights "
+    print("times in us (median of CUDA-graph replays, triton.testing.do_bench_cudagraph); unchain: ours bf16 with "
+          "MOE_EP_GEMM_CHAIN=off (decode rows); read: the bf16 weights "
           "streamed once (a plain Triton read kernel, best of 3 tilings); "
           "floors: weight bytes / 4.8 TB/s, FLOPs / 795 TFLOP/s")
 

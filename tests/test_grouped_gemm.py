@@ -26,6 +26,7 @@ GEMM_BOUNDS = Bounds(rows=9, k16=6, n16=5, experts=6, top_k=1)  # cases: moe_ep.
 MLP_BOUNDS = Bounds(rows=7, k16=4, n16=4, experts=4, top_k=1)
 
 gg = importlib.import_module("moe_ep.kernels.grouped_gemm")  # the module (the package exports the function)
+chain = importlib.import_module("moe_ep.kernels.chain")
 _fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                               HealthCheck.data_too_large])
 
@@ -124,6 +125,34 @@ def test_expert_mlp_matches_reference(dev, c):
     expert_mlp(xk, w13k, w2k, **idx, row_scale=rs, out=out, m_hint=c["m_hint"])
     ref = expert_mlp_ref(xr, w13r, w2r, **idx, row_scale=rs)
     _assert_close(out, ref, valid, MLP_TOL)
+
+
+@pytest.mark.parametrize("layout", ["masked", "ragged"])
+def test_expert_mlp_chain(dev, monkeypatch, layout):
+    """Decode-sized calls chain GEMM2 onto GEMM1 (kernels/chain.py): GEMM1 counts exactly its tiles per expert
+    (none for an empty one), GEMM2 is told GEMM1's tiling, and the result has the same bits as with the chain off."""
+    monkeypatch.setenv(tuning.SEARCH_ENV, "off")  # one launch per GEMM (a config search runs GEMM1 once per config)
+    links = []
+    monkeypatch.setattr(gg, "Link", lambda *a, **k: links.append(chain.Link(*a, **k)) or links[-1])
+    gen = torch.Generator().manual_seed(3)
+    G, H, I, M = 3, 64, 48, 8
+    x = torch.randn(G * M, H, generator=gen).bfloat16().to(dev)
+    w13 = (torch.randn(G, 2 * I, H, generator=gen) * 0.2).bfloat16().to(dev)
+    w2 = (torch.randn(G, H, I, generator=gen) * 0.2).bfloat16().to(dev)
+    rows = torch.tensor([5, 0, 8], device=dev)
+    idx = dict(counts=rows) if layout == "masked" else dict(offsets=torch.tensor([0, 5, 5, 13], device=dev))
+    xl = x.view(G, M, H) if layout == "masked" else x[:13]
+    chained = expert_mlp(xl, w13, w2, **idx)
+    first, second = links
+    bm, nt = second.wait
+    assert (first.ready.cpu() == (rows.cpu() + bm - 1) // bm * nt).all()
+    assert second.ready is first.ready
+    assert torch.equal(first.launched[0][0].reshape(xl.shape), xl)  # GEMM1's operands, held until GEMM2 is enqueued
+    monkeypatch.setenv(chain.CHAIN_ENV, "off")
+    plain = expert_mlp(xl, w13, w2, **idx)
+    assert len(links) == 2  # off: no links made
+    valid = (torch.arange(M, device=dev)[None, :] < rows[:, None]) if layout == "masked" else slice(None)
+    assert torch.equal(chained[valid], plain[valid])
 
 
 def test_masked_rows_never_written_without_out(dev):
