@@ -142,9 +142,12 @@ def run_row(name, E, H, I, tpe, fp4, table):
     row["ours_bf16_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
     row["rel_err_bf16"] = rel_err(ours, peer) if peer is not None else float("nan")
     if tpe <= tuning.DECODE_MAX_M:  # the same with the GEMM1 -> GEMM2 chain off (one GEMM after the other)
-        os.environ[chain.CHAIN_ENV] = "off"
+        before, os.environ[chain.CHAIN_ENV] = os.environ.get(chain.CHAIN_ENV), "off"
         row["ours_bf16_unchained_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
-        del os.environ[chain.CHAIN_ENV]
+        if before is None:  # the caller's own setting, if any, comes back
+            del os.environ[chain.CHAIN_ENV]
+        else:
+            os.environ[chain.CHAIN_ENV] = before
     if tpe <= tuning.DECODE_MAX_M * 4:
         xm = x.view(E, tpe, H)
         warm(xm, w13, w2, dict(counts=counts), tpe, table)

@@ -147,7 +147,7 @@ def test_expert_mlp_chain(dev, monkeypatch, layout):
     bm, nt = second.wait
     assert (first.ready.cpu() == (rows.cpu() + bm - 1) // bm * nt).all()
     assert second.ready is first.ready
-    assert torch.equal(first.launched[0][0].reshape(xl.shape), xl)  # GEMM1's operands, held until GEMM2 is enqueued
+    assert torch.equal(first.launched[0].reshape(xl.shape), xl)  # GEMM1's operands, held until GEMM2 is enqueued
     monkeypatch.setenv(chain.CHAIN_ENV, "off")
     plain = expert_mlp(xl, w13, w2, **idx)
     assert len(links) == 2  # off: no links made

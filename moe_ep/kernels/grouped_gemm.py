@@ -461,7 +461,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
             link.ready = torch.zeros(G, dtype=torch.int32, device=dev)
         chain_args = (link.ready, *(link.wait or (1, 1)))
         flags.update(SIGNAL=link.wait is None, WAIT=link.wait is not None, PDL=link.pdl)
-        link.launched = (args, row_scale)
+        link.launched = args
     tail = (*chain_args, G, M_max, N, K, S, K // 4, K // 16, tuning.m_bucket(m))
     tuned, source = tuning.tuned_gemm_config(N, K, m, x_fp4, w_fp4, bool(swiglu)), "tuned-file"
     if tuned is None and tuning.search_off():
