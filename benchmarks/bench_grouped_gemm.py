@@ -1,7 +1,9 @@
 """Time moe-ep's expert MLP (two grouped GEMMs, SwiGLU fused) against torch._grouped_mm on one GPU.
 
 Each row: a model's local experts at a number of tokens per expert, ragged layout (expert-sorted rows +
-offsets; the masked layout is timed too for decode rows). Columns: our time with bf16 weights (for decode rows
+offsets; the masked layout is timed too for decode rows). Every expert gets exactly that many rows; decode rows
+are also timed with the same rows spread as routing spreads them ("routed": counts vary around the mean, which is
+what a model's router gives, ours and torch's alike). Columns: our time with bf16 weights (for decode rows
 also with NVFP4 weights, and with the GEMM1 -> GEMM2 chain off), torch._grouped_mm (bf16, two GEMMs + silu*mul)
 in the same process, the time a plain streaming-read kernel takes to read the bf16 weights once (the practical
 byte ceiling), the byte floor (weight bytes / 4.8 TB/s), the FLOP floor (/ 795 TFLOP/s), and the relative error
@@ -30,7 +32,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4, tuning  # noqa: E402
-from moe_ep.commands.common import time_graph  # noqa: E402
+from moe_ep.commands.common import routed_offsets, time_graph  # noqa: E402
 
 gg = sys.modules["moe_ep.kernels.grouped_gemm"]
 chain = sys.modules["moe_ep.kernels.chain"]
@@ -148,6 +150,10 @@ def run_row(name, E, H, I, tpe, fp4, table):
             del os.environ[chain.CHAIN_ENV]
         else:
             os.environ[chain.CHAIN_ENV] = before
+    routed = routed_offsets(E, tpe, dev) if tpe <= tuning.DECODE_MAX_M else None
+    if routed is not None:
+        row["ours_bf16_routed_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=routed))
+        row["torch_routed_us"] = bench(lambda: torch_mlp(x, w13t, w2t, routed[1:], I))
     if tpe <= tuning.DECODE_MAX_M * 4:
         xm = x.view(E, tpe, H)
         warm(xm, w13, w2, dict(counts=counts), tpe, table)
@@ -159,6 +165,8 @@ def run_row(name, E, H, I, tpe, fp4, table):
         row["configs_nvfp4"] = [short(c) for c in warm(x, q13, q2, dict(offsets=offs), tpe, table)]
         ours4 = expert_mlp(x, q13, q2, offsets=offs)
         row["ours_nvfp4_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=offs))
+        if routed is not None:
+            row["ours_nvfp4_routed_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=routed))
         d13, d2 = dequantize_nvfp4(q13), dequantize_nvfp4(q2)
         try:
             row["rel_err_nvfp4"] = rel_err(ours4, torch_mlp(x, d13.transpose(1, 2), d2.transpose(1, 2), offs[1:], I))
@@ -201,19 +209,23 @@ def main():
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"
 
-    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'unchain':>8} {'masked':>8} {'torch':>8} {'read':>8} "
+    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'unchain':>8} {'masked':>8} {'torch':>8} {'routed':>8} "
+          f"{'torch rt':>8} {'fp4 rt':>8} {'read':>8} "
           f"{'byteflr':>8} {'flopflr':>8} {'ours fp4':>8} {'fp4flr':>8} {'err bf16':>8} {'err fp4':>8}  "
           "configs (gemm1, gemm2; bf16 | fp4)")
     for r in rows:
         print(f"{r['model'][:16]:16} {r['tokens_per_expert']:5d} {f(r['ours_bf16_us']):>9} "
               f"{f(r.get('ours_bf16_unchained_us')):>8} "
-              f"{f(r.get('ours_bf16_masked_us')):>8} {f(r['torch_grouped_mm_us']):>8} {f(r['read_weights_us']):>8} "
+              f"{f(r.get('ours_bf16_masked_us')):>8} {f(r['torch_grouped_mm_us']):>8} "
+              f"{f(r.get('ours_bf16_routed_us')):>8} {f(r.get('torch_routed_us')):>8} "
+              f"{f(r.get('ours_nvfp4_routed_us')):>8} {f(r['read_weights_us']):>8} "
               f"{f(r['byte_floor_us']):>8} "
               f"{f(r['flop_floor_us']):>8} {f(r.get('ours_nvfp4_us')):>8} {f(r.get('byte_floor_nvfp4_us')):>8} "
               f"{r['rel_err_bf16']:8.1e} {r.get('rel_err_nvfp4', float('nan')):8.1e}  "
               f"{','.join(r['configs_bf16'])} | {','.join(r.get('configs_nvfp4', []))}")
     print("times in us (median of CUDA-graph replays, triton.testing.do_bench_cudagraph); unchain: ours bf16 with "
-          "MOE_EP_GEMM_CHAIN=off (decode rows); read: the bf16 weights "
+          "MOE_EP_GEMM_CHAIN=off (decode rows); routed / torch rt / fp4 rt: decode rows with the rows spread "
+          "over the experts as routing spreads them (ours bf16, torch, ours NVFP4 weights); read: the bf16 weights "
           "streamed once (a plain Triton read kernel, best of 3 tilings); "
           "floors: weight bytes / 4.8 TB/s, FLOPs / 795 TFLOP/s")
 

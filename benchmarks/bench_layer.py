@@ -131,6 +131,7 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     r["dispatch_us"] = cuda_us(lambda: tr.dispatch(x, idx, w))
     d = tr.dispatch(x, idx, w)
     L = E
+    m_hint = cfg.tokens_per_expert(1, B)  # the GEMMs' tiles, as the layer picks them
     if layout in ("rank_major", "flat"):  # bridge in the compute
         ids = d.topk_idx.reshape(-1, K)
         valid = d.src_rank_counts if layout == "rank_major" else d.num_recv.reshape(1)
@@ -140,7 +141,7 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
         r["bridge_us"] = cuda_us(lambda: permute_rows(rows, route_experts(ids, L, valid_rows=valid,
                                                                           rows_per_group=group)))
         xs = permute_rows(rows, route)
-        off = dict(offsets=route.offsets)
+        off = dict(offsets=route.offsets, m_hint=m_hint)
         h = grouped_gemm(xs, weights.w13, swiglu=True, **off)
         r["gemm1_us"] = cuda_us(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off))
         y = grouped_gemm(h, weights.w2, **off)
@@ -172,9 +173,10 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     else:  # expert-major: the transport's dispatch did the packing; GEMMs straight on its layout
         r["bridge_us"] = 0.0
         if layout == "expert_major" and alg == "ll":
-            off = dict(counts=d.expert_counts)
+            off = dict(counts=d.expert_counts, m_hint=m_hint)
         else:
-            off = dict(offsets=torch.cat([d.expert_offsets, d.expert_offsets[-1:] + d.expert_counts[-1:]]))
+            off = dict(offsets=torch.cat([d.expert_offsets, d.expert_offsets[-1:] + d.expert_counts[-1:]]),
+                       m_hint=m_hint)
         xs = d.tokens
         h = grouped_gemm(xs, weights.w13, swiglu=True, **off)
         r["gemm1_us"] = cuda_us(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off))

@@ -59,7 +59,7 @@ def _demo_worker(rank: int, world: int, store_path: str, args, queue) -> None:
         d = layer.transport.dispatch(x, idx, w)
         sync()
         t1 = time.perf_counter()
-        y = expert_compute(cfg, d, layer.weights)
+        y = expert_compute(cfg, d, layer.weights, cfg.tokens_per_expert(world, B))
         sync()
         t2 = time.perf_counter()
         out = layer.transport.combine(y)

@@ -82,3 +82,9 @@ class EpConfig:
         if world_size <= 0 or self.num_experts % world_size:
             raise _err("num_experts", self.num_experts, f"a multiple of the world size ({world_size})")
         return self.num_experts // world_size
+
+    def tokens_per_expert(self, world_size: int, batch: int) -> int:
+        """The rows an expert receives on average when every rank sends ``batch`` tokens (``world * batch * top_k /
+        num_experts``, at least 1): which tuned grouped-GEMM tiles to use. The layout's own row capacity is no
+        guide: a rank-major buffer holds every pick of every token, an expert-major one all tokens per expert."""
+        return max(1, -(-world_size * batch * self.top_k // self.num_experts))

@@ -208,5 +208,6 @@ class MoEEpLayer(torch.nn.Module):
 
     def _run(self, hidden_states, topk_idx, topk_weights) -> torch.Tensor:
         d = self.transport.dispatch(hidden_states, topk_idx, topk_weights)
-        y = expert_compute(self.config, d, self.weights)
+        y = expert_compute(self.config, d, self.weights,
+                           self.config.tokens_per_expert(self.world_size, hidden_states.shape[0]))
         return self.transport.combine(y)

@@ -119,6 +119,15 @@ def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch,
     assert json.loads(path.read_text())[key]["64"] == config_dict(other)
 
 
+def test_routed_offsets_spread_rows_around_the_mean():
+    from moe_ep.commands.common import routed_offsets
+    offs = routed_offsets(32, 16, torch.device("cpu"))
+    counts = offs[1:] - offs[:-1]
+    assert offs.dtype == torch.int32 and offs[0] == 0 and offs[-1] == 32 * 16 and bool((counts >= 0).all())
+    assert counts.max() > 16 > counts.min()  # spread, as a router spreads tokens (not 16 each)
+    assert torch.equal(offs, routed_offsets(32, 16, torch.device("cpu")))  # seeded: every run tunes the same rows
+
+
 def test_fuzz_passes_on_the_real_kernels(tmp_path):
     assert main(["fuzz", "--targets", "quantize,gather_quantize,route,grouped_gemm", "--examples", "4",
                  "--database", str(tmp_path / "db")]) == 0

@@ -176,6 +176,19 @@ def test_decode_shapes_swap_operands(dev, m_hint, swap):
     assert gg.last_launch["config"]["SWAP_AB"] is swap
 
 
+@pytest.mark.parametrize("m, tallest, orders", [(8, 16, {True}), (16, 32, {True}), (32, 64, {True, False}),
+                                                (64, 64, {False})])
+def test_decode_tiles_take_twice_the_mean_rows(monkeypatch, m, tallest, orders):
+    """The GPU space pruned for a DeepSeek-V3 GEMM1: at decode buckets, row tiles up to twice the bucket (routed counts
+    spread around their mean; a short tile re-reads the expert's weights), in either operand order at 32."""
+    monkeypatch.setattr(tuning, "INTERPRETER", False)  # the GPU space and its rules, on any machine
+    cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(), {"M_BUCKET": m, "N": 2048, "K": 7168,
+                                                                             "G": 32}, SWIGLU=True, W_FP4=False)
+    assert max(c.kwargs["BLOCK_M"] for c in cands) == tallest
+    assert {c.kwargs["SWAP_AB"] for c in cands} == orders
+    assert tuning.m_bucket(m) == m and tuning.m_bucket(1) == 8 and tuning.m_bucket(9) == 16
+
+
 def _bad_cases(dev):
     G, M, K, N = 2, 4, 32, 32
     x = torch.zeros(G, M, K, dtype=torch.bfloat16, device=dev)

@@ -19,3 +19,24 @@ def test_multi_rank_gloo(world):
         pytest.skip("CPU ranks: the GPU variant is test_gpu_layer.py")
     fails = spawn_and_check(world)
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("alg, layout", [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"),
+                                         ("ht", "expert_major")])
+def test_layer_picks_gemm_tiles_by_the_expected_rows_per_expert(monkeypatch, alg, layout):
+    """The expert MLP's tiles follow the rows an expert gets on average (world * batch * top_k / experts), not
+    the layout's row capacity (every pick of every token, or every token per expert)."""
+    import moe_ep.compute
+    from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
+    from moe_ep.triton_runtime import device
+    hints, real = [], moe_ep.compute.expert_mlp
+    monkeypatch.setattr(moe_ep.compute, "expert_mlp", lambda *a, **k: hints.append(k["m_hint"]) or real(*a, **k))
+    E, K, H, I, B = 8, 2, 32, 32, 12
+    cfg = EpConfig(E, K, H, I, 16, alg, layout)
+    assert cfg.tokens_per_expert(1, B) == 3 and cfg.tokens_per_expert(4, 1) == 1 and cfg.tokens_per_expert(2, 0) == 1
+    dev = device()
+    layer = MoEEpLayer(cfg, ExpertWeights.from_global(torch.randn(E, 2 * I, H), torch.randn(E, H, I), 0, 1,
+                                                      device=dev))
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(B)]).to(dev)
+    layer(torch.randn(B, H).bfloat16().to(dev), idx, torch.rand(B, K).to(dev))
+    assert hints == [3]

@@ -102,6 +102,17 @@ def name_list(text: str, what: str, allowed) -> list[str]:
     return names
 
 
+def routed_offsets(experts: int, mean: int, dev, seed: int = 0) -> torch.Tensor:
+    """Ragged-layout offsets ``[experts + 1]`` (int32) of ``experts * mean`` rows spread as routing spreads tokens:
+    each row's expert drawn uniformly at random (seeded), so the counts vary around ``mean`` (a Poisson-like spread,
+    as with balanced top-k routing) instead of being ``mean`` each."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    picks = torch.randint(0, experts, (experts * mean,), generator=gen, device=dev)
+    offsets = torch.zeros(experts + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(torch.bincount(picks, minlength=experts), 0)
+    return offsets
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

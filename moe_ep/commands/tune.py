@@ -3,7 +3,9 @@
 Shapes per preset (L local experts, hidden H, intermediate I): GEMM1 ``[*, H] x [L, 2I, H]`` with the SwiGLU
 epilogue and GEMM2 ``[*, I] x [L, H, I]``, for each weight format (``--formats``) and, for GEMM1, each
 activation format (``--activations``). Token buckets are tokens per expert (``--buckets``): the tuned-config
-file's inner key (``moe_ep.kernels.tuning.m_bucket``).
+file's inner key (``moe_ep.kernels.tuning.m_bucket``). The rows of a bucket of m tokens per expert are spread over
+the experts as routing spreads them (``--counts routed``, the default: each row's expert drawn at random, so counts
+vary around m), not exactly m each (``--counts uniform``): the best tile height depends on that spread.
 
 The candidates are exactly the kernels' own space, ``tuning.grouped_gemm_configs()`` pruned by
 ``tuning.prune_grouped_gemm_configs`` for the shape class, the same list ``triton.autotune`` would try.
@@ -26,10 +28,11 @@ import torch
 from ..errors import MoEEpConfigError
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
-                     sync, time_call, write_json)
+                     routed_offsets, sync, time_call, write_json)
 
 FORMATS = ("bf16", "nvfp4")
 GEMMS = ("gemm1", "gemm2")
+COUNTS = ("routed", "uniform")
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA", "num_warps", "num_stages")
 
 
@@ -37,8 +40,10 @@ def add_arguments(parser) -> None:
     add_shape_arguments(parser)
     parser.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
     parser.add_argument("--buckets", default=None,
-                        help="tokens-per-expert buckets (default 16,32,...,2048 on a GPU; 16 on the CPU)")
+                        help="tokens-per-expert buckets (default 8,16,...,2048 on a GPU; 16 on the CPU)")
     parser.add_argument("--formats", default="bf16,nvfp4", help="weight formats: bf16,nvfp4")
+    parser.add_argument("--counts", choices=COUNTS, default="routed",
+                        help="rows per expert: routed (drawn at random around the bucket) or uniform (exactly it)")
     parser.add_argument("--activations", default="bf16", help="GEMM1 activation formats: bf16,nvfp4")
     parser.add_argument("--gemms", default="gemm1,gemm2", help="which GEMMs: gemm1 (SwiGLU), gemm2")
     parser.add_argument("--out-dir", default=None, help="folder for <device>.json (default: $MOE_EP_CONFIG_DIR, "
@@ -97,8 +102,8 @@ def shapes(preset, gemms, formats, activations, buckets) -> list[dict]:
     return out
 
 
-def _operands(s, dev):
-    """Ragged x (every expert ``bucket`` rows), weights and offsets for shape ``s``."""
+def _operands(s, dev, counts: str):
+    """Ragged x (``bucket`` rows per expert: exactly, or on average as routed), weights and offsets for shape ``s``."""
     from ..kernels.nvfp4 import nvfp4_global_scale, quantize_nvfp4
     G, N, K, m = s["G"], s["N"], s["K"], s["bucket"]
     gen = torch.Generator(device=dev).manual_seed(0)  # generated on the device: weights can be GBs
@@ -108,18 +113,21 @@ def _operands(s, dev):
         w = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
     if s["x_fp4"]:
         x = quantize_nvfp4(x)
-    offsets = torch.arange(0, G * m + 1, m, dtype=torch.int32, device=dev)
+    if counts == "routed":
+        offsets = routed_offsets(G, m, dev)
+    else:
+        offsets = torch.arange(0, G * m + 1, m, dtype=torch.int32, device=dev)
     return x, w, offsets
 
 
-def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev) -> dict:
+def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev, counts: str = "routed") -> dict:
     """Time each candidate config of shape ``s`` until ``budget_s``; the best and every timing."""
     cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(),
                                               {"M_BUCKET": tuning.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
                                                "G": s["G"], "SWIGLU": s["swiglu"],
                                                "TMA_OK": not s["x_fp4"] and not s["w_fp4"] and tuning.tma_supported()},
                                               SWIGLU=s["swiglu"], W_FP4=s["w_fp4"])
-    x, w, offsets = _operands(s, dev)
+    x, w, offsets = _operands(s, dev, counts)
     fn = lambda: gg.grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])  # noqa: E731
     t_start, timings, best = time.perf_counter(), [], None
     for i, c in enumerate(cands):
@@ -150,7 +158,7 @@ def run(args) -> int:
     gg, tuning = _kernels()
     names = name_list(args.presets or args.preset, "--presets", PRESETS)
     presets = [preset_from_args(args, n) for n in names]
-    buckets = int_list(args.buckets or ("16" if INTERPRETER else "16,32,64,128,256,512,1024,2048"), "--buckets")
+    buckets = int_list(args.buckets or ("16" if INTERPRETER else "8,16,32,64,128,256,512,1024,2048"), "--buckets")
     todo = [s for p in presets for s in shapes(p, name_list(args.gemms, "--gemms", GEMMS),
                                                name_list(args.formats, "--formats", FORMATS),
                                                name_list(args.activations, "--activations", FORMATS), buckets)]
@@ -175,7 +183,7 @@ def run(args) -> int:
                 rows.append([s["preset"], key, s["bucket"], "not tuned (--max-seconds)", "", ""])
                 advance(label + " (time budget spent)")
                 continue
-            r = tune_shape(s, gg, tuning, args.max_seconds_per_shape, args.rep_ms, dev)
+            r = tune_shape(s, gg, tuning, args.max_seconds_per_shape, args.rep_ms, dev, args.counts)
             report.append(dict(shape=s, shape_class=key, **r))
             if r["best"] is not None:
                 table = tuning.load_config_file(path)

@@ -19,8 +19,9 @@ x follows the permutation in registers on its way to shared memory. (``tl.dot_sc
 e4m3 scales in 16-blocks it crashes Triton 3.6's compiler on Hopper; the register path is what runs on
 Blackwell too.)
 
-Decode shapes swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
-BLOCK_N weight rows fill its M slot.
+Decode shapes mostly swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
+BLOCK_N weight rows fill its M slot; their row tiles are up to twice the mean tokens per expert, so that an expert's
+routed rows take one pass over its weights (``tuning.prune_grouped_gemm_configs``).
 
 Prefill shapes with bf16 operands in the ragged layout also have TMA configs (``TMA: True``; Hopper and newer):
 x and weight tiles come by tensor descriptors instead of per-thread pointer loads, gate and up tiles are two

@@ -45,13 +45,13 @@ GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
 QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape class
 SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no config search, first configs untimed (fuzzing: see launch())
-DECODE_MAX_M = 32  # tokens per expert up to this are "decode": swap AB so the tokens sit in the MMA's N slot
+DECODE_MAX_M = 32  # tokens per expert up to this are "decode": weight-streaming tiles (see prune_grouped_gemm_configs)
 FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
 
 def m_bucket(m: int) -> int:
-    """Tokens-per-expert bucket (a power of two >= 16): the M part of the autotune key and shape class."""
-    return max(16, triton.next_power_of_2(max(int(m), 1)))
+    """Tokens-per-expert bucket (a power of two >= 8): the M part of the autotune key and shape class."""
+    return max(8, triton.next_power_of_2(max(int(m), 1)))
 
 
 def _gemm(bm, bn, bk, swap, stages, warps, group_m=8, tma=False):
@@ -98,8 +98,9 @@ def resident_programs(meta: dict, swiglu: bool) -> int:
 def grouped_gemm_configs() -> list[triton.Config]:
     """The whole search space; :func:`prune_grouped_gemm_configs` keeps the part fit for a shape class.
 
-    Decode (few tokens per expert) is bound by reading weights: BLOCK_M 16/32 with swapped operands, many
-    N tiles so every SM streams weights, deep pipelines. Prefill is bound by the tensor cores: large tiles.
+    Decode (few tokens per expert) is bound by reading weights: BLOCK_M 16-64 (mostly with swapped operands, so
+    the tokens sit in the MMA's N slot), many N tiles so every SM streams weights, deep pipelines. Prefill is bound
+    by the tensor cores: large tiles.
     """
     if INTERPRETER:  # one decode-style (swapped), one prefill-style config and its TMA form, blocks as large as
         return [_gemm(16, 64, 64, True, 1, 4), _gemm(32, 64, 64, False, 1, 4),  # tests allow
@@ -129,8 +130,13 @@ def sm_count() -> int:
 
 
 def prune_grouped_gemm_configs(configs, named_args, **kwargs):
-    """Keep configs that suit the shape class: swapped small-M tiles for decode, large tiles otherwise;
-    tiles no wider than the problem; enough programs to fill the SMs when that is possible."""
+    """Keep configs that suit the shape class: at decode buckets tiles of up to twice the bucket's rows (either
+    operand order), large tiles otherwise; tiles no wider than the problem; enough programs to fill the SMs when
+    that is possible.
+
+    Why twice: routed tokens spread over the experts (a mean of m per expert reaches about m + 3 sqrt(m)), and a
+    row tile short of an expert's count makes a second pass over that expert's weights. On the H200, DeepSeek-V3 at
+    32 routed tokens per expert: 976 us with 16-row tiles, 703 with 64-row ones (docs/PERF.md)."""
     m = int(named_args["M_BUCKET"])
     n, k = int(named_args["N"]), int(named_args["K"])
     groups = int(named_args["G"])
@@ -144,18 +150,15 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         kw = c.kwargs
         if kw.get("TMA") and not tma_ok:
             continue
-        if kw["SWAP_AB"]:
-            if not decode and not (w_fp4 and m <= FP4_SWAP_MAX_M):
-                continue
-            if kw["BLOCK_M"] > max(m, 16):
-                continue
-            if kw["BLOCK_M"] != 64 if not decode else kw["BLOCK_M"] > 32:
-                continue
+        bm = kw["BLOCK_M"]
+        if decode:
+            fits = bm <= max(2 * m, 16)
+        elif kw["SWAP_AB"]:
+            fits = w_fp4 and m <= FP4_SWAP_MAX_M and bm == 64
         else:
-            if decode:
-                continue
-            if kw["BLOCK_M"] > max(m, 64):
-                continue
+            fits = bm <= max(m, 64)
+        if not fits:
+            continue
         right_kind.append(c)
         if swiglu and not kw["SWAP_AB"] and kw["BLOCK_M"] * kw["BLOCK_N"] > 128 * 128 and not INTERPRETER:
             continue  # gate and up accumulators: twice the registers
@@ -173,8 +176,8 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
                 >= sm_count()]
         keep = full or keep
     if not keep:  # nothing of the right order in the space at all: the space is broken, not the shape
-        raise MoEEpConfigError(f"no grouped-GEMM config for m={m} n={n} k={k} (swap {decode}); allowed: a space "
-                               "with both operand orders")
+        raise MoEEpConfigError(f"no grouped-GEMM config for m={m} n={n} k={k} (decode {decode}); allowed: a "
+                               "space with both operand orders")
     return keep
 
 
