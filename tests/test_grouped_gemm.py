@@ -155,6 +155,32 @@ def test_expert_mlp_chain(dev, monkeypatch, layout):
     assert torch.equal(chained[valid], plain[valid])
 
 
+@pytest.mark.parametrize("w_fmt", ["bf16", "nvfp4"])
+def test_masked_persistent_grid_matches_one_program_per_tile(dev, monkeypatch, w_fmt):
+    """A masked layout whose row capacity far exceeds its counts walks its tiles with a persistent grid: the same
+    tiles as one program per tile slot, so the same bits, and rows past the counts untouched either way (bf16 weights
+    also run the GEMM1 -> GEMM2 chain)."""
+    monkeypatch.setenv(tuning.SEARCH_ENV, "off")
+    monkeypatch.setattr(tuning, "persistent_programs", lambda meta, swiglu: 2)  # several tiles per program
+    gen = torch.Generator().manual_seed(5)
+    G, H, I, M = 3, 128, 48, 64
+    counts = torch.tensor([17, 0, 50], device=dev)
+    x = torch.randn(G, M, H, generator=gen).bfloat16().to(dev)
+    w13, r13 = gemm_operand((torch.randn(G, 2 * I, H, generator=gen) * 0.2).bfloat16().to(dev), w_fmt, per_slice=True)
+    w2, r2 = gemm_operand((torch.randn(G, H, I, generator=gen) * 0.2).bfloat16().to(dev), w_fmt, per_slice=True)
+    ref = expert_mlp_ref(x.float(), r13, r2, counts=counts)
+    valid = torch.arange(M, device=dev)[None, :] < counts[:, None]
+    outs, walked = [], []
+    for persistent in (True, False):
+        monkeypatch.setattr(gg, "_persistent", lambda a, p=persistent: walked.append(p) or p)
+        out = torch.full((G, M, H), float("nan"), dtype=torch.bfloat16, device=dev)
+        expert_mlp(x, w13, w2, counts=counts, out=out, m_hint=8)
+        _assert_close(out, ref, valid, MLP_TOL)
+        outs.append(out)
+    assert walked and all(walked[:len(walked) // 2]) and not any(walked[len(walked) // 2:])
+    assert torch.equal(outs[0][valid], outs[1][valid])
+
+
 def test_masked_rows_never_written_without_out(dev):
     """Without out=, rows past the counts of a fresh torch.empty output are whatever was there (not zeroed)."""
     G, M, K, N = 2, 8, 32, 32

@@ -7,7 +7,9 @@ expert by counting how many prefix sums lie at or below its tile index. So there
 schedule tensor; the grid is a fixed upper bound and surplus programs exit at once. Empty experts own no
 tiles, and in the masked layout no program reads or writes a row past ``counts[g]`` (tile slots past it
 compute on a copy of the expert's last row and are not stored). SwiGLU interleaves each gate row with its up
-row, so one dot per K step covers both.
+row, so one dot per K step covers both. A masked layout whose row capacity would launch more programs than a few
+rounds of what fits on the GPU uses a persistent grid instead: program p takes tiles p, p + P, ... of the same
+device-side tile count (:func:`_persistent`), so capacity past the counts launches nothing.
 
 NVFP4 operands are decoded in registers to bf16 (an E2M1 value times an E4M3 scale is exact in bf16) and
 fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulator. NVFP4 weights (the
@@ -212,22 +214,46 @@ def _tma_tiles(x_desc, w_desc, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGG
 
 
 @triton.jit
-def _one_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr, WAIT_BM,
-              WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr,
-              SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr,
-              EVEN_K: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr):
-    """One output tile per program (any operand format; pointer loads pipelined by Triton)."""
-    if RAGGED:  # the row-tile upper bound the launcher sized the grid with
-        TILES_M = tl.cdiv(S, BLOCK_M) + G
+def _pointer_tiles(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr,
+                   WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED: tl.constexpr, X_FP4: tl.constexpr,
+                   W_FP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr,
+                   PERSISTENT: tl.constexpr):
+    """Output tiles from pointer loads (any operand format; pipelined by Triton): one tile per program, or with
+    PERSISTENT a fixed grid whose program p takes tiles p, p + P, ... of the device-side tile count (P = the grid),
+    so that a masked layout's row capacity past the counts launches no programs."""
+    if PERSISTENT:
+        tiles, ends, cnt, lo = _expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
+        tiles_m = tl.sum(tiles)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        for t_lin in tl.range(tl.program_id(0), tiles_m * n_tiles, tl.num_programs(0)):
+            t, pid_n = _group_order(t_lin, tiles_m, n_tiles, GROUP_M)
+            g, tile, count, row0 = _tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
+            _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr,
+                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, SWIGLU, HAS_RS,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
     else:
-        TILES_M = G * tl.cdiv(M_MAX, BLOCK_M)
-    t, pid_n = _group_order(tl.program_id(0), TILES_M, tl.cdiv(N, BLOCK_N), GROUP_M)
-    tiles, ends, cnt, lo = _expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
-    if t >= tl.sum(tiles):
-        return
-    g, tile, count, row0 = _tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
+        if RAGGED:  # the row-tile upper bound the launcher sized the grid with
+            TILES_M = tl.cdiv(S, BLOCK_M) + G
+        else:
+            TILES_M = G * tl.cdiv(M_MAX, BLOCK_M)
+        t, pid_n = _group_order(tl.program_id(0), TILES_M, tl.cdiv(N, BLOCK_N), GROUP_M)
+        tiles, ends, cnt, lo = _expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
+        if t < tl.sum(tiles):
+            g, tile, count, row0 = _tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
+            _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr,
+                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, SWIGLU, HAS_RS,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
 
+
+@triton.jit
+def _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM,
+                  WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4: tl.constexpr, W_FP4: tl.constexpr,
+                  SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SIGNAL: tl.constexpr,
+                  WAIT: tl.constexpr):
+    """Output tile (row tile ``tile`` of expert g, whose ``count`` rows start at ``row0``; column tile pid_n)."""
     rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rm < count
     if WAIT:  # x is GEMM1's output (chain.py)
@@ -293,7 +319,7 @@ def _grouped_gemm_kernel(
         RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr, SWIGLU: tl.constexpr,
         HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-        GROUP_M: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr,
+        GROUP_M: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr,
         SIGNAL: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):  # chain.py: GEMM1 counts, GEMM2 waits
     allow_dependents(PDL, SIGNAL)
     if TMA:
@@ -301,14 +327,26 @@ def _grouped_gemm_kernel(
         _tma_tiles(x_desc, w_desc, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGGED, SWIGLU, HAS_RS, BLOCK_G,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
-        _one_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr,
-                  WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, X_FP4, W_FP4, SWIGLU, HAS_RS, BLOCK_G, BLOCK_M,
-                  BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K, SIGNAL, WAIT)
+        _pointer_tiles(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr,
+                       WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, X_FP4, W_FP4, SWIGLU, HAS_RS, BLOCK_G,
+                       BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K, SIGNAL, WAIT, PERSISTENT)
     finish_dependent(PDL, WAIT)
 
 
+def _persistent(a) -> bool:
+    """Whether a masked-layout launch walks its tiles with a persistent grid: when one program per tile slot of the
+    whole row capacity would be more programs than the persistent grid. Most of those programs find no rows and
+    exit, and launching them costs more than walking: on the H200 at 8 ranks x 128 tokens of capacity, 947 -> 627 us
+    for the DeepSeek-V3 expert MLP at 8 routed rows per expert, 738 -> 670 at 32 (docs/PERF.md)."""
+    if a["RAGGED"] or a.get("TMA"):
+        return False
+    slots = a["G"] * triton.cdiv(a["M_MAX"], a["BLOCK_M"]) * triton.cdiv(a["N"], a["BLOCK_N"])
+    return slots > tuning.persistent_programs(a, a["SWIGLU"])
+
+
 _KEY = ["M_BUCKET", "N", "K", "RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS"]
-_launch = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_grouped_gemm_kernel)
+_launch = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
+                             "PERSISTENT": lambda a: _persistent(a)})(_grouped_gemm_kernel)
 _autotuned = triton.autotune(configs=tuning.grouped_gemm_configs(), key=_KEY,
                              prune_configs_by={"early_config_prune": tuning.prune_grouped_gemm_configs})(_launch)
 
@@ -447,11 +485,14 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
     args = (xd, xs if x_fp4 else dummy, xgs if x_fp4 else dummy, xgs_stride, wd, ws if w_fp4 else dummy,
             wgs if w_fp4 else dummy, out, row_scale if row_scale is not None else dummy, idx)
 
-    def programs(meta):  # one per tile; TMA configs: persistent, as many as fit on the GPU at once
+    def programs(meta):  # one per tile slot; persistent grids: TMA configs as many as fit on the GPU at once,
+        # PERSISTENT pointer-load launches (masked, a large row capacity) PERSISTENT_ROUNDS times that
         bound = (triton.cdiv(S, meta["BLOCK_M"]) + G if ragged else G * triton.cdiv(M_max, meta["BLOCK_M"])) * \
             triton.cdiv(N, meta["BLOCK_N"])  # row tiles: every expert full (masked), or S rows + a ragged tail each
         if meta.get("TMA"):
             bound = min(bound, tuning.resident_programs(meta, bool(swiglu)))
+        elif meta.get("PERSISTENT"):
+            bound = min(bound, tuning.persistent_programs(meta, bool(swiglu)))
         return (bound,)
 
     flags = dict(RAGGED=ragged, X_FP4=x_fp4, W_FP4=w_fp4, SWIGLU=bool(swiglu), HAS_RS=row_scale is not None,
@@ -476,7 +517,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
             descs = descriptors()
             tuning.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **cfg))
         pdl = dict(launch_pdl=True) if flags["PDL"] and flags["WAIT"] else {}  # GEMM2 as GEMM1's dependent
-        _launch[programs(cfg)](*args, *descs, *tail, **flags, **cfg, **pdl)
+        _launch[programs](*args, *descs, *tail, **flags, **cfg, **pdl)
         last_launch.update(source=source, config=cfg)
         return out, cfg
 
@@ -562,6 +603,7 @@ def _compile_checks():
                                  "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
                                  "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8, "TMA": tma,
                                  "EVEN_K": ragged,  # both load paths, over the variants
+                                 "PERSISTENT": not ragged and swiglu and not tma,  # both masked grids
                                  "SIGNAL": swiglu and not tma, "WAIT": not swiglu and not tma,  # as in expert_mlp
                                  "PDL": not tma}
                         if not tma:

@@ -46,6 +46,7 @@ CONFIG_DIR_ENV = "MOE_EP_CONFIG_DIR"
 QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape class
 SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no config search, first configs untimed (fuzzing: see launch())
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": weight-streaming tiles (see prune_grouped_gemm_configs)
+PERSISTENT_ROUNDS = 8  # persistent pointer-load grids (masked layouts): this many times the programs that fit at once
 FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
 
@@ -86,9 +87,15 @@ def tma_supported() -> bool:
     return props is not None and props.major >= 9
 
 
+def persistent_programs(meta: dict, swiglu: bool) -> int:
+    """Grid of a persistent pointer-load launch: PERSISTENT_ROUNDS times the programs that fit at once, so that one
+    program's last tile still overlaps the next program's first."""
+    return PERSISTENT_ROUNDS * resident_programs(meta, swiglu)
+
+
 def resident_programs(meta: dict, swiglu: bool) -> int:
-    """How many programs of a TMA config run at once on this GPU (by shared memory: the pipeline's x and weight
-    tiles per stage), the persistent grid size."""
+    """How many programs of a config run at once on this GPU, estimated by shared memory (the pipeline's bf16 x
+    and weight tiles per stage): the grid of a persistent TMA launch."""
     props = _current_props()
     smem = props.shared_memory_per_multiprocessor if props is not None else 1
     stage = (meta["BLOCK_M"] + (2 if swiglu else 1) * meta["BLOCK_N"]) * meta["BLOCK_K"] * 2
