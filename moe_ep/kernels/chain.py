@@ -72,7 +72,7 @@ def enabled() -> bool:
 
 def dependent_launch_supported() -> bool:
     """Whether PDL (``griddepcontrol``) is available: a Hopper or newer GPU, not the interpreter."""
-    return not INTERPRETER and tuning.tma_supported()
+    return not INTERPRETER and tuning.hopper_or_newer()
 
 
 @dataclass

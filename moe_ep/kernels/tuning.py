@@ -78,13 +78,16 @@ def _current_props():
     return _props(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
+def hopper_or_newer() -> bool:
+    """Whether the current CUDA device is Hopper (compute capability 9.0) or newer; False without CUDA."""
+    props = _current_props()
+    return props is not None and props.major >= 9
+
+
 def tma_supported() -> bool:
     """Whether the grouped GEMM can load bf16 tiles by TMA here: Hopper or newer (or the interpreter, which runs
     the same tensor-descriptor code)."""
-    if INTERPRETER:
-        return True
-    props = _current_props()
-    return props is not None and props.major >= 9
+    return INTERPRETER or hopper_or_newer()
 
 
 def persistent_programs(meta: dict, swiglu: bool) -> int:
