@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 if "--quick" in sys.argv:
     os.environ.setdefault("MOE_EP_AUTOTUNE_QUICK", "1")
@@ -144,12 +145,8 @@ def run_row(name, E, H, I, tpe, fp4, table):
     row["ours_bf16_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
     row["rel_err_bf16"] = rel_err(ours, peer) if peer is not None else float("nan")
     if tpe <= tuning.DECODE_MAX_M:  # the same with the GEMM1 -> GEMM2 chain off (one GEMM after the other)
-        before, os.environ[chain.CHAIN_ENV] = os.environ.get(chain.CHAIN_ENV), "off"
-        row["ours_bf16_unchained_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
-        if before is None:  # the caller's own setting, if any, comes back
-            del os.environ[chain.CHAIN_ENV]
-        else:
-            os.environ[chain.CHAIN_ENV] = before
+        with mock.patch.dict(os.environ, {chain.CHAIN_ENV: "off"}):  # the caller's own setting comes back after
+            row["ours_bf16_unchained_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
     routed = routed_offsets(E, tpe, dev) if tpe <= tuning.DECODE_MAX_M else None
     if routed is not None:
         row["ours_bf16_routed_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=routed))

@@ -340,8 +340,15 @@ def _persistent(a) -> bool:
     for the DeepSeek-V3 expert MLP at 8 routed rows per expert, 738 -> 670 at 32 (docs/PERF.md)."""
     if a["RAGGED"] or a.get("TMA"):
         return False
-    slots = a["G"] * triton.cdiv(a["M_MAX"], a["BLOCK_M"]) * triton.cdiv(a["N"], a["BLOCK_N"])
+    slots = _tile_slots(False, a["G"], a["M_MAX"], a["S"], a["N"], a["BLOCK_M"], a["BLOCK_N"])
     return slots > tuning.persistent_programs(a, a["SWIGLU"])
+
+
+def _tile_slots(ragged: bool, G: int, M_max: int, S: int, N: int, block_m: int, block_n: int) -> int:
+    """Programs of a one-tile-per-program grid: row tiles (every expert full when masked, or S rows plus a ragged
+    tail each; the kernel's TILES_M) times column tiles."""
+    rows = triton.cdiv(S, block_m) + G if ragged else G * triton.cdiv(M_max, block_m)
+    return rows * triton.cdiv(N, block_n)
 
 
 _KEY = ["M_BUCKET", "N", "K", "RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS"]
@@ -487,8 +494,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
 
     def programs(meta):  # one per tile slot; persistent grids: TMA configs as many as fit on the GPU at once,
         # PERSISTENT pointer-load launches (masked, a large row capacity) PERSISTENT_ROUNDS times that
-        bound = (triton.cdiv(S, meta["BLOCK_M"]) + G if ragged else G * triton.cdiv(M_max, meta["BLOCK_M"])) * \
-            triton.cdiv(N, meta["BLOCK_N"])  # row tiles: every expert full (masked), or S rows + a ragged tail each
+        bound = _tile_slots(ragged, G, M_max, S, N, meta["BLOCK_M"], meta["BLOCK_N"])
         if meta.get("TMA"):
             bound = min(bound, tuning.resident_programs(meta, bool(swiglu)))
         elif meta.get("PERSISTENT"):
