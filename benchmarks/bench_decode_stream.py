@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moe_ep.commands.common import uniform_offsets
 from moe_ep.kernels import grouped_gemm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +153,7 @@ def main():
             for experts in (E, E + 1):
                 w = (torch.randn(experts, n, k, device=dev) * k ** -0.5).bfloat16()
                 x = (torch.randn(experts * tpe, k, device=dev) * 0.5).bfloat16()
-                offs = torch.arange(0, experts * tpe + 1, tpe, device=dev, dtype=torch.int32)
+                offs = uniform_offsets(experts, tpe, dev)
                 swiglu = gemm.startswith("GEMM1")
                 grouped_gemm(x, w, offsets=offs, swiglu=swiglu, m_hint=tpe)
                 t = time(lambda: grouped_gemm(x, w, offsets=offs, swiglu=swiglu, m_hint=tpe))

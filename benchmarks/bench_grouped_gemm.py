@@ -1,10 +1,10 @@
 """Time moe-ep's expert MLP (two grouped GEMMs, SwiGLU fused) against torch._grouped_mm on one GPU.
 
 Each row: a model's local experts at a number of tokens per expert, ragged layout (expert-sorted rows +
-offsets; the masked layout is timed too for decode rows). Every expert gets exactly that many rows; decode rows
-are also timed with the same rows spread as routing spreads them ("routed": counts vary around the mean, which is
-what a model's router gives, ours and torch's alike). Columns: our time with bf16 weights (for decode rows
-also with NVFP4 weights, and with the GEMM1 -> GEMM2 chain off), torch._grouped_mm (bf16, two GEMMs + silu*mul)
+offsets). Every expert gets exactly that many rows; rows of up to 128 tokens per expert are also timed with the
+same rows spread as routing spreads them ("routed": counts vary around the mean, which is what a model's router
+gives, ours and torch's alike), and in the masked layout. Columns: our time with bf16 weights and with NVFP4
+weights (for decode rows also with the GEMM1 -> GEMM2 chain off), torch._grouped_mm (bf16, two GEMMs + silu*mul)
 in the same process, the time a plain streaming-read kernel takes to read the bf16 weights once (the practical
 byte ceiling), the byte floor (weight bytes / 4.8 TB/s), the FLOP floor (/ 795 TFLOP/s), and the relative error
 against the torch peer.
@@ -33,18 +33,19 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4, tuning  # noqa: E402
-from moe_ep.commands.common import routed_offsets, time_graph  # noqa: E402
+from moe_ep.commands.common import routed_offsets, time_graph, uniform_offsets  # noqa: E402
 
 gg = sys.modules["moe_ep.kernels.grouped_gemm"]
 chain = sys.modules["moe_ep.kernels.chain"]
 
 BW = 4.8e12
 FLOPS = 795e12
-MODELS = {  # name: (local experts, hidden H, intermediate I, tokens-per-expert rows, NVFP4 for these rows)
-    "DeepSeek-V3 EP8": (32, 7168, 2048, (16, 128, 1024), (16, 128)),
-    "Qwen3-30B-A3B": (128, 2048, 768, (8, 64, 512), (8, 64)),
-    "Mixtral-8x7B": (8, 4096, 14336, (64, 512), (64,)),
+MODELS = {  # name: (local experts, hidden H, intermediate I, tokens-per-expert rows)
+    "DeepSeek-V3 EP8": (32, 7168, 2048, (16, 128, 1024)),
+    "Qwen3-30B-A3B": (128, 2048, 768, (8, 64, 512)),
+    "Mixtral-8x7B": (8, 4096, 14336, (64, 512)),
 }
+ROUTED_MAX = 128  # rows with this many tokens per expert or fewer are also timed routed, and masked
 QUICK = {"DeepSeek-V3 EP8": (16, 1024), "Qwen3-30B-A3B": (8,), "Mixtral-8x7B": (512,)}
 
 
@@ -102,7 +103,7 @@ def warm(x, w13, w2, idx, m, table):
     n2, k2 = w2.shape[1], w2.shape[2]
     fp4 = not isinstance(w13, torch.Tensor)
     for (n, k, sw), c in zip(((n1, k1, True), (n2, k2, False)), won):
-        if c.get("config"):
+        if c.get("config") and not any(c.get("decoded", ())):  # (decoded NVFP4 operands run bf16 tiles)
             cfg = {k_: c["config"][k_] for k_ in (*tuning.GEMM_PARAMS, "TMA", "num_warps", "num_stages")}
             table.setdefault(tuning.shape_class(n, k, False, fp4, sw), {})[str(tuning.m_bucket(m))] = cfg
     return won
@@ -112,18 +113,19 @@ def short(c):
     if not c or not c.get("config"):
         return "-"
     k = c["config"]
-    return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}{'t' if k.get('TMA') else ''}"
+    return (f"{'dec:' if any(c.get('decoded', ())) else ''}"  # NVFP4 operands decoded to bf16 first
+            f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}{'t' if k.get('TMA') else ''}"
             f"/w{k['num_warps']}s{k['num_stages']}")
 
 
-def run_row(name, E, H, I, tpe, fp4, table):
+def run_row(name, E, H, I, tpe, table):
     dev = torch.device("cuda")
     S = E * tpe
     gen = torch.Generator(device=dev).manual_seed(0)
     x = (torch.randn(S, H, device=dev, generator=gen) * 0.5).bfloat16()
     w13 = (torch.randn(E, 2 * I, H, device=dev, generator=gen) * H ** -0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device=dev, generator=gen) * I ** -0.5).bfloat16()
-    offs = torch.arange(0, S + 1, tpe, device=dev, dtype=torch.int32)
+    offs = uniform_offsets(E, tpe, dev)
     counts = torch.full((E,), tpe, device=dev, dtype=torch.int32)
     row = {"model": name, "experts": E, "H": H, "I": I, "tokens_per_expert": tpe}
     elems = E * 3 * H * I
@@ -147,29 +149,28 @@ def run_row(name, E, H, I, tpe, fp4, table):
     if tpe <= tuning.DECODE_MAX_M:  # the same with the GEMM1 -> GEMM2 chain off (one GEMM after the other)
         with mock.patch.dict(os.environ, {chain.CHAIN_ENV: "off"}):  # the caller's own setting comes back after
             row["ours_bf16_unchained_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
-    routed = routed_offsets(E, tpe, dev) if tpe <= tuning.DECODE_MAX_M else None
+    routed = routed_offsets(E, tpe, dev) if tpe <= ROUTED_MAX else None
     if routed is not None:
         row["ours_bf16_routed_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=routed))
         row["torch_routed_us"] = bench(lambda: torch_mlp(x, w13t, w2t, routed[1:], I))
-    if tpe <= tuning.DECODE_MAX_M * 4:
+    if tpe <= ROUTED_MAX:
         xm = x.view(E, tpe, H)
         warm(xm, w13, w2, dict(counts=counts), tpe, table)
         row["ours_bf16_masked_us"] = bench(lambda: expert_mlp(xm, w13, w2, counts=counts))
-    if fp4:
-        q13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
-        q2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
-        row["byte_floor_nvfp4_us"] = elems * (0.5 + 1 / 16) / BW * 1e6
-        row["configs_nvfp4"] = [short(c) for c in warm(x, q13, q2, dict(offsets=offs), tpe, table)]
-        ours4 = expert_mlp(x, q13, q2, offsets=offs)
-        row["ours_nvfp4_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=offs))
-        if routed is not None:
-            row["ours_nvfp4_routed_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=routed))
-        d13, d2 = dequantize_nvfp4(q13), dequantize_nvfp4(q2)
-        try:
-            row["rel_err_nvfp4"] = rel_err(ours4, torch_mlp(x, d13.transpose(1, 2), d2.transpose(1, 2), offs[1:], I))
-        except Exception:  # noqa: BLE001
-            row["rel_err_nvfp4"] = float("nan")
-        del q13, q2, d13, d2
+    q13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
+    q2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
+    row["byte_floor_nvfp4_us"] = elems * (0.5 + 1 / 16) / BW * 1e6
+    row["configs_nvfp4"] = [short(c) for c in warm(x, q13, q2, dict(offsets=offs), tpe, table)]
+    ours4 = expert_mlp(x, q13, q2, offsets=offs)
+    row["ours_nvfp4_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=offs))
+    if routed is not None:
+        row["ours_nvfp4_routed_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=routed))
+    d13, d2 = dequantize_nvfp4(q13), dequantize_nvfp4(q2)
+    try:
+        row["rel_err_nvfp4"] = rel_err(ours4, torch_mlp(x, d13.transpose(1, 2), d2.transpose(1, 2), offs[1:], I))
+    except Exception:  # noqa: BLE001
+        row["rel_err_nvfp4"] = float("nan")
+    del q13, q2, d13, d2
     del x, w13, w2
     torch.cuda.empty_cache()
     return row
@@ -187,11 +188,11 @@ def main():
     print(f"device {dev_name}, {tuning.sm_count()} SMs, triton {triton.__version__}, torch {torch.__version__}",
           flush=True)
     rows, table = [], {}
-    for name, (E, H, I, tpes, fp4_rows) in MODELS.items():
+    for name, (E, H, I, tpes) in MODELS.items():
         for tpe in tpes:
             if args.quick and tpe not in QUICK[name]:
                 continue
-            r = run_row(name, E, H, I, tpe, tpe in fp4_rows, table)
+            r = run_row(name, E, H, I, tpe, table)
             rows.append(r)
             print(json.dumps(r), flush=True)
     with open(args.out, "w") as f:
@@ -221,9 +222,9 @@ def main():
               f"{r['rel_err_bf16']:8.1e} {r.get('rel_err_nvfp4', float('nan')):8.1e}  "
               f"{','.join(r['configs_bf16'])} | {','.join(r.get('configs_nvfp4', []))}")
     print("times in us (median of CUDA-graph replays, triton.testing.do_bench_cudagraph); unchain: ours bf16 with "
-          "MOE_EP_GEMM_CHAIN=off (decode rows); routed / torch rt / fp4 rt: decode rows with the rows spread "
-          "over the experts as routing spreads them (ours bf16, torch, ours NVFP4 weights); read: the bf16 weights "
-          "streamed once (a plain Triton read kernel, best of 3 tilings); "
+          "MOE_EP_GEMM_CHAIN=off (decode rows); routed / torch rt / fp4 rt: rows up to 128 tokens per expert "
+          "spread over the experts as routing spreads them (ours bf16, torch, ours NVFP4 weights); read: the bf16 "
+          "weights streamed once (a plain Triton read kernel, best of 3 tilings); "
           "floors: weight bytes / 4.8 TB/s, FLOPs / 795 TFLOP/s")
 
 

@@ -96,14 +96,16 @@ def expert_counts(draw, G: int, max_rows: int) -> list[int]:
 @st.composite
 def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
     """A grouped GEMM (or, with ``mlp``, expert MLP) problem: experts, sizes, per-expert counts, layout
-    (masked or ragged), operand formats, SwiGLU / row-scale epilogues, padding rows, value scale."""
+    (masked or ragged), operand formats, SwiGLU / row-scale epilogues, padding rows, value scale, and the
+    tokens-per-expert hint that picks the tiles (at ``DECODED_MIN_M``, NVFP4 operands are decoded to bf16 first)."""
+    from .kernels.tuning import DECODED_MIN_M
     G = draw(st.integers(1, b.experts))
     return dict(
         G=G, K=16 * draw(st.integers(1, b.k16)), N=16 * draw(st.integers(1, b.n16)),
         counts=draw(expert_counts(G, b.rows)), ragged=draw(st.booleans()),
         x_fmt=draw(st.sampled_from(X_FORMATS)), w_fmt=draw(st.sampled_from(["bf16", "nvfp4"])),
         swiglu=True if mlp else draw(st.booleans()), row_scale=draw(st.booleans()), pad=draw(st.integers(0, 3)),
-        m_hint=draw(st.sampled_from([None, 64])), scale=draw(st.sampled_from([1.0, 1e-3, 300.0])),
+        m_hint=draw(st.sampled_from([None, 64, DECODED_MIN_M])), scale=draw(st.sampled_from([1.0, 1e-3, 300.0])),
         zero_frac=draw(st.sampled_from([0.0, 0.3])), seed=draw(_seeds))
 
 

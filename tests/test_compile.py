@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ["nvfp4", "grouped_gemm", "bridge"]
+KERNEL_MODULES = ["nvfp4", "grouped_gemm", "fp4_mma", "bridge"]
 
 SCRIPT = r"""
 import importlib, sys

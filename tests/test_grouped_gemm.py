@@ -91,6 +91,47 @@ def test_tma_config_matches_reference(dev, monkeypatch, c):
     assert gg.last_launch["config"]["TMA"] is tuning.tma_supported()
 
 
+@_fixture_ok
+@given(gemm_cases(GEMM_BOUNDS))
+def test_decoded_nvfp4_operands_match_reference(dev, c):
+    """At a prefill bucket NVFP4 operands are decoded once into bf16 copies (x only when ragged), then bf16 tiles (TMA
+    where the layout allows) with the global scales on the fp32 sums."""
+    gg.last_launch.clear()
+    if _check_gemm(dev, c, tuning.DECODED_MIN_M):
+        assert gg.last_launch["decoded"] == (c["x_fmt"] != "bf16" and c["ragged"], c["w_fmt"] == "nvfp4")
+
+
+@pytest.mark.parametrize("layout", ["masked", "ragged"])
+@pytest.mark.parametrize("x_fmt", ["bf16", "nvfp4", "nvfp4_rows"])
+def test_decoded_nvfp4_same_bits_as_decoding_in_the_loop(dev, monkeypatch, layout, x_fmt):
+    """The decoded copies hold exactly the values the K loop decodes (fp4_mma.decode_nvfp4), up to a power of two
+    that the global scale takes back: with the same tiles the two paths give the same bits. Below the bucket the K
+    loop decodes."""
+    cfg = dict(_TMA, TMA=False, BLOCK_K=64)
+    monkeypatch.setattr(tuning, "tuned_gemm_config", lambda *a, **k: dict(cfg))
+    gen = torch.Generator().manual_seed(7)
+    G, K, N, M = 3, 128, 40, 24
+    counts = torch.tensor([19, 0, 24], device=dev)
+    x = torch.randn(G, M, K, generator=gen).bfloat16().to(dev)
+    w = (torch.randn(G, 2 * N, K, generator=gen) * 0.2).bfloat16().to(dev)
+    wq, wr = gemm_operand(w, "nvfp4", per_slice=True)
+    if layout == "masked":
+        idx, xl = dict(counts=counts), x
+    else:
+        idx, xl = dict(offsets=torch.cumsum(torch.cat([counts.new_zeros(1), counts]), 0)), x.view(-1, K)[:43]
+    xk, xr = gemm_operand(xl, x_fmt)
+    outs = []
+    for m_hint in (tuning.DECODED_MIN_M, 64):
+        outs.append(grouped_gemm(xk, wq, **idx, swiglu=True, m_hint=m_hint))
+        prefill = m_hint == tuning.DECODED_MIN_M
+        assert gg.last_launch["decoded"] == (prefill and x_fmt != "bf16" and layout == "ragged", prefill)
+        assert gg.last_launch["config"] == cfg
+    valid = (torch.arange(M, device=dev)[None, :] < counts[:, None]) if layout == "masked" else slice(None)
+    assert torch.equal(outs[0][valid], outs[1][valid])
+    ref = grouped_gemm_ref(xr, wr, **idx, swiglu=True)
+    assert (outs[0][valid].float() - ref[valid]).norm() <= GEMM_TOL * ref[valid].norm()
+
+
 def test_tma_config_falls_back_to_pointer_loads(dev, monkeypatch):
     """Where TMA cannot run, a TMA config's tiles go through pointer loads: NVFP4 weights, and the masked layout
     (a TMA box would read an expert's padding rows)."""
@@ -203,11 +244,12 @@ def test_decode_shapes_swap_operands(dev, m_hint, swap):
 
 
 @pytest.mark.parametrize("m, tallest, orders", [(8, 16, {True}), (16, 32, {True}), (32, 64, {True, False}),
-                                                (64, 64, {False})])
+                                                (64, 128, {False})])
 def test_decode_tiles_take_twice_the_mean_rows(monkeypatch, m, tallest, orders):
-    """The GPU space pruned for a DeepSeek-V3 GEMM1: at decode buckets, row tiles up to twice the bucket (routed counts
-    spread around their mean; a short tile re-reads the expert's weights), in either operand order at 32."""
+    """The GPU space pruned for a DeepSeek-V3 GEMM1: row tiles up to twice the bucket (routed counts spread around
+    their mean; a short tile re-reads the expert's weights), in either operand order at 32, not swapped above."""
     monkeypatch.setattr(tuning, "INTERPRETER", False)  # the GPU space and its rules, on any machine
+    monkeypatch.delenv(tuning.QUICK_ENV)  # the whole pruned list, not the bounded search's 3
     cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(), {"M_BUCKET": m, "N": 2048, "K": 7168,
                                                                              "G": 32}, SWIGLU=True, W_FP4=False)
     assert max(c.kwargs["BLOCK_M"] for c in cands) == tallest
@@ -287,7 +329,7 @@ def test_tuned_config_file_overrides_autotune(dev, tmp_path, monkeypatch):
     other = dict(_ODD, BLOCK_N=32)
     _tuned_file(tmp_path, monkeypatch, {tuning.shape_class(N, K, False, False, True): {"16": _ODD, "256": other}})
     out = grouped_gemm(x, w, counts=cnt, swiglu=True)
-    assert gg.last_launch == {"source": "tuned-file", "config": dict(_ODD, TMA=False)}
+    assert gg.last_launch == {"source": "tuned-file", "config": dict(_ODD, TMA=False), "decoded": (False, False)}
     ref = grouped_gemm_ref(x, w, counts=cnt, swiglu=True)
     assert (out[0, :5].float() - ref[0, :5]).norm() <= GEMM_TOL * ref[0, :5].norm()
     grouped_gemm(x, w, counts=cnt, swiglu=True, m_hint=200)  # nearest bucket
@@ -307,7 +349,7 @@ def test_search_off_launches_the_first_suitable_config_untimed(dev, tmp_path, mo
     offs = torch.tensor([0, 3, 5], device=dev)
     out = grouped_gemm(x, w, offsets=offs)
     want = tuning.first_gemm_config(N, K, 3, G, False, False)  # m: ceil(S / G), the default m_hint
-    assert gg.last_launch == {"source": "first-config", "config": want}
+    assert gg.last_launch == {"source": "first-config", "config": want, "decoded": (False, False)}
     ref = grouped_gemm_ref(x, w, offsets=offs)
     assert (out.float() - ref).norm() <= GEMM_TOL * ref.norm()
 

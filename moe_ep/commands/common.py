@@ -102,6 +102,11 @@ def name_list(text: str, what: str, allowed) -> list[str]:
     return names
 
 
+def uniform_offsets(experts: int, rows: int, dev) -> torch.Tensor:
+    """Ragged-layout offsets ``[experts + 1]`` (int32) of exactly ``rows`` rows per expert."""
+    return torch.arange(0, experts * rows + 1, rows, dtype=torch.int32, device=dev)
+
+
 def routed_offsets(experts: int, mean: int, dev, seed: int = 0) -> torch.Tensor:
     """Ragged-layout offsets ``[experts + 1]`` (int32) of ``experts * mean`` rows spread as routing spreads tokens:
     each row's expert drawn uniformly at random (seeded), so the counts vary around ``mean`` (a Poisson-like spread,

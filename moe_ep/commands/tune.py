@@ -28,7 +28,7 @@ import torch
 from ..errors import MoEEpConfigError
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
-                     routed_offsets, sync, time_call, write_json)
+                     routed_offsets, sync, time_call, uniform_offsets, write_json)
 
 FORMATS = ("bf16", "nvfp4")
 GEMMS = ("gemm1", "gemm2")
@@ -113,11 +113,7 @@ def _operands(s, dev, counts: str):
         w = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
     if s["x_fp4"]:
         x = quantize_nvfp4(x)
-    if counts == "routed":
-        offsets = routed_offsets(G, m, dev)
-    else:
-        offsets = torch.arange(0, G * m + 1, m, dtype=torch.int32, device=dev)
-    return x, w, offsets
+    return x, w, (routed_offsets if counts == "routed" else uniform_offsets)(G, m, dev)
 
 
 def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev, counts: str = "routed") -> dict:

@@ -4,15 +4,18 @@ A weight tile arrives as int16 words of 4 E2M1 codes plus their E4M3 block-scale
 into bf16 values ``e2m1 * s * 2^-8`` (exact in bf16) by 3 integer ops and one bf16x2 fma per register pair (inline
 PTX, :data:`_FP4_ASM`) and the scales by 2.5 ops each (:data:`_SCALE_ASM`). With K permuted (:func:`dot_k_order`)
 those registers are wgmma's register operand as they are, with no shuffles. The interpreter, which runs no inline
-asm, takes plain ops that give the same values (:func:`fp4_value`).
+asm, takes plain ops that give the same values (:func:`fp4_value`). :func:`decode_nvfp4` writes the same values
+out as a bf16 tensor, for the shapes where a bf16 GEMM over them beats decoding in the K loop.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ..triton_runtime import INTERPRETER
+from . import tuning
 from .nvfp4 import e4m3_values_of_bytes
 
 
@@ -91,3 +94,39 @@ def fp4_value(code, scale):
     """E2M1 codes (int32, 4 bits) times fp32 block scales -> bf16 (exact), elementwise."""
     h = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
     return (h.to(tl.float32) * (scale * 16384.0)).to(tl.bfloat16)
+
+
+@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET"])
+@triton.jit(do_not_specialize=["R"])
+def _decode_kernel(q_ptr, s_ptr, out_ptr, R, K, KQ, K16, K_BUCKET, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows * K can pass 2^31
+    rmask = rows < R
+    qk = tl.program_id(1) * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+    q = tl.load(q_ptr.to(tl.pointer_type(tl.int16)) + rows[:, None] * KQ + qk[None, :],
+                mask=rmask[:, None] & (qk[None, :] < KQ), other=0)
+    sk = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    sb = tl.load(s_ptr + rows[:, None] * K16 + sk[None, :], mask=rmask[:, None] & (sk[None, :] < K16), other=0)
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * K + kk[None, :], fp4_tile(q, sb, BLOCK_M, BLOCK_K, False),
+             mask=rmask[:, None] & (kk[None, :] < K))
+
+
+def decode_nvfp4(data: torch.Tensor, scales: torch.Tensor, shape) -> torch.Tensor:
+    """NVFP4 codes (uint8 ``[..., K/2]``) and linear E4M3 scale bytes (uint8 ``[..., K/16]``) -> bf16 ``shape``
+    holding ``e2m1 * s / 256``, exactly the values :func:`fp4_tile` gives the MMA (the global scale and the 256 are
+    left to the GEMM's fp32 accumulator). Contiguous inputs, K % 16 == 0 (the GEMM launcher's checks)."""
+    K = shape[-1]
+    R = data.numel() // (K // 2)
+    out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)
+    if R:
+        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+        tuning.launch(_decode_kernel, grid, data, scales, out, R, K, K // 4, K // 16, tuning.size_bucket(K))
+    return out
+
+
+def _compile_checks():
+    """(kernel, signature, constexprs) for tests/test_compile.py (sm_90 / sm_100 builds); the decode functions
+    inside the GEMM are built by grouped_gemm's checks."""
+    sig = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16",
+           **{a: "i32" for a in ("R", "K", "KQ", "K16", "K_BUCKET")}}
+    return [(_decode_kernel.fn, sig, {"BLOCK_M": bm, "BLOCK_K": bk}) for bm, bk in ((16, 512), (64, 128))]

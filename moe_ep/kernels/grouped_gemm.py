@@ -2,9 +2,8 @@
 
 One kernel covers every variant (constexpr flags). A program computes one ``BLOCK_M x BLOCK_N`` output
 tile of one expert. Its expert and row tile come from the device-side counts (masked) or offsets (ragged)
-alone: each program loads the per-expert counts, takes ``cumsum(cdiv(count, BLOCK_M))`` and finds its
-expert by counting how many prefix sums lie at or below its tile index. So there is no host sync and no
-schedule tensor; the grid is a fixed upper bound and surplus programs exit at once. Empty experts own no
+alone (``tile_schedule.py``). So there is no host sync and no schedule tensor; the grid is a fixed upper bound
+and surplus programs exit at once. Empty experts own no
 tiles, and in the masked layout no program reads or writes a row past ``counts[g]`` (tile slots past it
 compute on a copy of the expert's last row and are not stored). SwiGLU interleaves each gate row with its up
 row, so one dot per K step covers both. A masked layout whose row capacity would launch more programs than a few
@@ -16,10 +15,11 @@ fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulat
 decode-time bound: instructions, not bytes) are read as int16 words of 4 codes and decoded in registers
 (``fp4_mma.py``: 3 integer ops and one bf16x2 fma per register pair); with K permuted those registers are wgmma's
 register operand as they are (swapped), with no shuffles, and each thread reads whole vectors of words and 2 scales
-per row.
-x follows the permutation in registers on its way to shared memory. (``tl.dot_scaled`` is not used: with
-e4m3 scales in 16-blocks it crashes Triton 3.6's compiler on Hopper; the register path is what runs on
-Blackwell too.)
+per row. x follows the permutation in registers on its way to shared memory. At prefill sizes
+(``tuning.DECODED_MIN_M`` tokens per expert and up) NVFP4 operands are instead decoded once into transient bf16
+copies of the same values (``fp4_mma.decode_nvfp4``; x only in the ragged layout) and run bf16 tiles, the global
+scales applied to the fp32 sums as before. (``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes
+Triton 3.6's compiler on Hopper; the register path is what runs on Blackwell too.)
 
 Decode shapes mostly swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
 BLOCK_N weight rows fill its M slot; their row tiles are up to twice the mean tokens per expert, so that an expert's
@@ -49,8 +49,9 @@ from ..triton_runtime import device as kernel_device
 from . import tuning
 from .chain import Link, allow_dependents, dependent_launch_supported, expert_ready, finish_dependent, tile_done
 from .chain import enabled as chain_enabled
-from .fp4_mma import dot_k_order, fp4_tile, fp4_value
+from .fp4_mma import decode_nvfp4, dot_k_order, fp4_tile, fp4_value
 from .nvfp4 import NvFp4Tensor, e4m3_values_of_bytes
+from .tile_schedule import expert_row_tiles, group_order, row_tile_slots, tile_expert, tile_slots
 
 
 @triton.jit
@@ -135,39 +136,24 @@ def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4: tl.constexp
 
 
 @triton.jit
-def _expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per expert (vectors of BLOCK_G): its row tiles, their running end, its row count and its first row, from the
-    device-side counts (masked) or offsets (ragged) alone, clamped to the rows that exist."""
-    gi = tl.arange(0, BLOCK_G)
-    gmask = gi < G
-    if RAGGED:
-        lo = tl.minimum(tl.maximum(tl.load(cnt_ptr + gi, mask=gmask, other=0).to(tl.int32), 0), S)
-        hi = tl.minimum(tl.maximum(tl.load(cnt_ptr + gi + 1, mask=gmask, other=0).to(tl.int32), 0), S)
-        cnt = tl.maximum(hi - lo, 0)
+def _global_scale(acc, acc_up, wgs_ptr, g):
+    """NVFP4 weights' global scale: value = e2m1 * s / gs, and the weight tiles hold e2m1 * s / 256 (fp4_tile), so
+    the fp32 sums are multiplied once by 256 / gs."""
+    inv = 256.0 / tl.load(wgs_ptr + g)
+    return acc * inv, acc_up * inv
+
+
+@triton.jit
+def _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, DECODED: tl.constexpr, SWAP_AB: tl.constexpr):
+    """NVFP4 x's global scale (one, or one per row): x tiles decoded in the K loop hold e2m1 * s, a decoded copy
+    e2m1 * s / 256."""
+    gs = tl.load(xgs_ptr + x_rows * XGS_STRIDE)
+    if DECODED:
+        inv = 256.0 / gs
     else:
-        cnt = tl.minimum(tl.maximum(tl.load(cnt_ptr + gi, mask=gmask, other=0).to(tl.int32), 0), M_MAX)
-        lo = gi.to(tl.int64) * M_MAX
-    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
-    return tiles, tl.cumsum(tiles, 0), cnt, lo
-
-
-@triton.jit
-def _tile_expert(t, tiles, ends, cnt, lo, BLOCK_G: tl.constexpr):
-    """Row tile t (< sum(tiles)) -> (expert g, tile within the expert, the expert's rows, its first row):
-    the expert is the number of prefix sums at or below t."""
-    g = tl.sum((ends <= t).to(tl.int32))
-    sel = tl.arange(0, BLOCK_G) == g
-    tile = t - tl.sum(tl.where(sel, ends - tiles, 0))
-    return g, tile, tl.sum(tl.where(sel, cnt, 0)), tl.sum(tl.where(sel, lo, 0)).to(tl.int64)
-
-
-@triton.jit
-def _group_order(t, tiles_m, n_tiles, GROUP_M: tl.constexpr):
-    """Linear tile t -> (row tile, column tile): GROUP_M row tiles share a weight column tile while it is in L2."""
-    width = GROUP_M * n_tiles
-    first = (t // width) * GROUP_M
-    rows = tl.minimum(tiles_m - first, GROUP_M)
-    return first + (t % width) % rows, (t % width) // rows
+        inv = 1.0 / gs
+    inv = _as_rows(inv, SWAP_AB)
+    return acc * inv, acc_up * inv
 
 
 @triton.jit
@@ -183,20 +169,21 @@ def _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, xrow, rn, rmask, nmask, N
 
 
 @triton.jit
-def _tma_tiles(x_desc, w_desc, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGGED: tl.constexpr,
-               SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S,
+               RAGGED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, X_DECODED: tl.constexpr,
+               W_DECODED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Ragged bf16 x and weights, tiles loaded by TMA (tensor descriptors over x [S, K] and w [G * NW, K]): program
     p walks tiles p, p + P, ... of the device-side tile count (persistent, P = the grid). A tile's rows past its
     expert's count and columns past N load the next expert's rows (or TMA's zeros past the tensor) and are not
     stored; gate and up tiles are two loads and two dots into two accumulators."""
-    tiles, ends, cnt, lo = _expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
+    tiles, ends, cnt, lo = expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
     tiles_m = tl.sum(tiles)
     n_tiles = tl.cdiv(N, BLOCK_N)
     NW = 2 * N if SWIGLU else N
     for t in tl.range(tl.program_id(0), tiles_m * n_tiles, tl.num_programs(0)):
-        tm, pid_n = _group_order(t, tiles_m, n_tiles, GROUP_M)
-        g, tile, count, row0 = _tile_expert(tm, tiles, ends, cnt, lo, BLOCK_G)
+        tm, pid_n = group_order(t, tiles_m, n_tiles, GROUP_M)
+        g, tile, count, row0 = tile_expert(tm, tiles, ends, cnt, lo, BLOCK_G)
         x0 = (row0 + tile * BLOCK_M).to(tl.int32)
         w0 = g * NW + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -208,51 +195,52 @@ def _tma_tiles(x_desc, w_desc, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGG
                 acc_up = tl.dot(a, w_desc.load([w0 + N, k0]).T, acc_up)
         rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        xrow = row0 + rm
-        _finish_tile(acc, acc_up, out_ptr, rs_ptr, row0 + tl.minimum(rm, count - 1), xrow, rn, rm < count, rn < N, N,
-                     SWIGLU, HAS_RS, False)
+        x_rows = row0 + tl.minimum(rm, count - 1)
+        if W_DECODED:
+            acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
+        if X_DECODED:
+            acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, True, False)
+        _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU, HAS_RS,
+                     False)
 
 
 @triton.jit
 def _pointer_tiles(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr,
                    WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED: tl.constexpr, X_FP4: tl.constexpr,
-                   W_FP4: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr,
-                   PERSISTENT: tl.constexpr):
+                   W_FP4: tl.constexpr, X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, SWIGLU: tl.constexpr,
+                   HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                   SIGNAL: tl.constexpr, WAIT: tl.constexpr, PERSISTENT: tl.constexpr):
     """Output tiles from pointer loads (any operand format; pipelined by Triton): one tile per program, or with
     PERSISTENT a fixed grid whose program p takes tiles p, p + P, ... of the device-side tile count (P = the grid),
     so that a masked layout's row capacity past the counts launches no programs."""
     if PERSISTENT:
-        tiles, ends, cnt, lo = _expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
+        tiles, ends, cnt, lo = expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
         tiles_m = tl.sum(tiles)
         n_tiles = tl.cdiv(N, BLOCK_N)
         for t_lin in tl.range(tl.program_id(0), tiles_m * n_tiles, tl.num_programs(0)):
-            t, pid_n = _group_order(t_lin, tiles_m, n_tiles, GROUP_M)
-            g, tile, count, row0 = _tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
+            t, pid_n = group_order(t_lin, tiles_m, n_tiles, GROUP_M)
+            g, tile, count, row0 = tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
             _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr,
-                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, SWIGLU, HAS_RS,
-                          BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
+                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, X_DECODED,
+                          W_DECODED, SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
     else:
-        if RAGGED:  # the row-tile upper bound the launcher sized the grid with
-            TILES_M = tl.cdiv(S, BLOCK_M) + G
-        else:
-            TILES_M = G * tl.cdiv(M_MAX, BLOCK_M)
-        t, pid_n = _group_order(tl.program_id(0), TILES_M, tl.cdiv(N, BLOCK_N), GROUP_M)
-        tiles, ends, cnt, lo = _expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
+        t, pid_n = group_order(tl.program_id(0), row_tile_slots(G, M_MAX, S, RAGGED, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                               GROUP_M)
+        tiles, ends, cnt, lo = expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
         if t < tl.sum(tiles):
-            g, tile, count, row0 = _tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
+            g, tile, count, row0 = tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
             _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr,
-                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, SWIGLU, HAS_RS,
-                          BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
+                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, X_DECODED,
+                          W_DECODED, SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
 
 
 @triton.jit
 def _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM,
                   WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4: tl.constexpr, W_FP4: tl.constexpr,
-                  SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SIGNAL: tl.constexpr,
-                  WAIT: tl.constexpr):
+                  X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                  EVEN_K: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr):
     """Output tile (row tile ``tile`` of expert g, whose ``count`` rows start at ``row0``; column tile pid_n)."""
     rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rm < count
@@ -287,14 +275,10 @@ def _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, ou
     else:
         acc_up = acc
 
-    if W_FP4:  # global scales: value = e2m1 * s / gs, so divide the fp32 sums once (256: the weight tiles
-        inv = 256.0 / tl.load(wgs_ptr + g)  # hold e2m1 * s / 256)
-        acc = acc * inv
-        acc_up = acc_up * inv
-    if X_FP4:
-        xinv = _as_rows(1.0 / tl.load(xgs_ptr + x_rows * XGS_STRIDE), SWAP_AB)
-        acc = acc * xinv
-        acc_up = acc_up * xinv
+    if W_FP4 or W_DECODED:
+        acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
+    if X_FP4 or X_DECODED:
+        acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, X_DECODED, SWAP_AB)
     if WAIT:
         rmask = rmask & ready
     _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, xrow, rn, rmask, nmask, N, SWIGLU, HAS_RS, SWAP_AB)
@@ -316,20 +300,22 @@ def _grouped_gemm_kernel(
         G, M_MAX, N, K, S,
         KQ, K16,  # K // 4, K // 16: own arguments so Triton specializes them as multiples of 16 (aligned NVFP4 rows)
         M_BUCKET,  # autotune key only
-        RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr, SWIGLU: tl.constexpr,
-        HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
+        RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr,
+        X_DECODED: tl.constexpr, W_DECODED: tl.constexpr,  # bf16 copies of NVFP4 x / w (fp4_mma.decode_nvfp4)
+        SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
         GROUP_M: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr,
         SIGNAL: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):  # chain.py: GEMM1 counts, GEMM2 waits
     allow_dependents(PDL, SIGNAL)
     if TMA:
         tl.static_assert(not (SIGNAL or WAIT), "the GEMM chain is for decode shapes, which have no TMA tiles")
-        _tma_tiles(x_desc, w_desc, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGGED, SWIGLU, HAS_RS, BLOCK_G,
-                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGGED,
+                   SWIGLU, HAS_RS, X_DECODED, W_DECODED, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _pointer_tiles(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr,
-                       WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, X_FP4, W_FP4, SWIGLU, HAS_RS, BLOCK_G,
-                       BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K, SIGNAL, WAIT, PERSISTENT)
+                       WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, X_FP4, W_FP4, X_DECODED, W_DECODED,
+                       SWIGLU, HAS_RS, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K, SIGNAL, WAIT,
+                       PERSISTENT)
     finish_dependent(PDL, WAIT)
 
 
@@ -340,15 +326,8 @@ def _persistent(a) -> bool:
     for the DeepSeek-V3 expert MLP at 8 routed rows per expert, 738 -> 670 at 32 (docs/PERF.md)."""
     if a["RAGGED"] or a.get("TMA"):
         return False
-    slots = _tile_slots(False, a["G"], a["M_MAX"], a["S"], a["N"], a["BLOCK_M"], a["BLOCK_N"])
+    slots = tile_slots(False, a["G"], a["M_MAX"], a["S"], a["N"], a["BLOCK_M"], a["BLOCK_N"])
     return slots > tuning.persistent_programs(a, a["SWIGLU"])
-
-
-def _tile_slots(ragged: bool, G: int, M_max: int, S: int, N: int, block_m: int, block_n: int) -> int:
-    """Programs of a one-tile-per-program grid: row tiles (every expert full when masked, or S rows plus a ragged
-    tail each; the kernel's TILES_M) times column tiles."""
-    rows = triton.cdiv(S, block_m) + G if ragged else G * triton.cdiv(M_max, block_m)
-    return rows * triton.cdiv(N, block_n)
 
 
 _KEY = ["M_BUCKET", "N", "K", "RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS"]
@@ -359,8 +338,8 @@ _autotuned = triton.autotune(configs=tuning.grouped_gemm_configs(), key=_KEY,
 
 last_launch: dict = {}
 """What the latest :func:`grouped_gemm` call launched: ``source`` ("tuned-file", "first-config" under
-``MOE_EP_AUTOTUNE=off``, or "autotune") and ``config``
-(the config the autotuner picked is known after the call)."""
+``MOE_EP_AUTOTUNE=off``, or "autotune"), ``config`` (the config the autotuner picked is known after the call) and
+``decoded`` (whether NVFP4 x, w were decoded to bf16 copies first)."""
 
 
 def _operand(t, name: str, dims: int, what: str):
@@ -413,6 +392,8 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
     ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales; one global scale, or one per row as
     received NVFP4 tokens carry their source rank's). ``w``: bf16 ``[G, N, K]``,
     or an NvFp4Tensor of that shape (linear scales, global scale ``[G]``, one per expert). K % 16 == 0.
+    NVFP4 operands from ``tuning.DECODED_MIN_M`` (512) tokens per expert on are decoded into transient bf16 copies
+    (as large as bf16 operands; x only when ragged) and multiplied as bf16: faster there than decoding per tile.
     ``swiglu``: w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
     ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
     per row of x (``[G, M_max]`` / ``[S]``), applied to the output row (the routing weight).
@@ -474,6 +455,17 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
         return out, None
 
     m = _tokens_per_expert(xshape, ragged, G, m_hint)
+    xgs_stride = int(x_fp4 and xgs.numel() > 1)  # per-row global scales (received NVFP4 tokens)
+    # NVFP4 operands at prefill sizes: decoded once into transient bf16 copies, then bf16 tiles (TMA where possible).
+    # Decoding in the K loop redoes it for every tile that reads the operand and, unswapped, sends the decoded weight
+    # tile through shared memory: on the H200 at 1024 tokens per expert 1.3x slower for NVFP4 weights, 8x for NVFP4 x
+    # (docs/PERF.md). Not x in the masked layout: its copy would read the rows past the counts.
+    prefill = tuning.m_bucket(m) >= tuning.DECODED_MIN_M
+    x_dec, w_dec = x_fp4 and ragged and prefill, w_fp4 and prefill
+    if x_dec:
+        xd, x_fp4 = decode_nvfp4(xd, xs, xshape), False
+    if w_dec:
+        wd, w_fp4 = decode_nvfp4(wd, ws, wshape), False
     # TMA configs (ragged prefill shapes, bf16 operands, a GPU with the tensor memory accelerator) take descriptors
     # over x and w as 2-D tensors, their tile shapes set per config (tuning.set_tma_blocks); none are made for decode
     # calls. Not masked: a TMA box would read an expert's padding rows, which that layout never touches.
@@ -488,21 +480,21 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
                 TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32]))
 
     dummy = xd
-    xgs_stride = int(x_fp4 and xgs.numel() > 1)  # per-row global scales (received NVFP4 tokens)
-    args = (xd, xs if x_fp4 else dummy, xgs if x_fp4 else dummy, xgs_stride, wd, ws if w_fp4 else dummy,
-            wgs if w_fp4 else dummy, out, row_scale if row_scale is not None else dummy, idx)
+    args = (xd, xs if x_fp4 else dummy, xgs if x_fp4 or x_dec else dummy, xgs_stride, wd, ws if w_fp4 else dummy,
+            wgs if w_fp4 or w_dec else dummy, out, row_scale if row_scale is not None else dummy, idx)
 
     def programs(meta):  # one per tile slot; persistent grids: TMA configs as many as fit on the GPU at once,
         # PERSISTENT pointer-load launches (masked, a large row capacity) PERSISTENT_ROUNDS times that
-        bound = _tile_slots(ragged, G, M_max, S, N, meta["BLOCK_M"], meta["BLOCK_N"])
+        bound = tile_slots(ragged, G, M_max, S, N, meta["BLOCK_M"], meta["BLOCK_N"])
         if meta.get("TMA"):
             bound = min(bound, tuning.resident_programs(meta, bool(swiglu)))
         elif meta.get("PERSISTENT"):
             bound = min(bound, tuning.persistent_programs(meta, bool(swiglu)))
         return (bound,)
 
-    flags = dict(RAGGED=ragged, X_FP4=x_fp4, W_FP4=w_fp4, SWIGLU=bool(swiglu), HAS_RS=row_scale is not None,
-                 BLOCK_G=max(triton.next_power_of_2(G), 2), SIGNAL=False, WAIT=False, PDL=False)
+    flags = dict(RAGGED=ragged, X_FP4=x_fp4, W_FP4=w_fp4, X_DECODED=x_dec, W_DECODED=w_dec, SWIGLU=bool(swiglu),
+                 HAS_RS=row_scale is not None, BLOCK_G=max(triton.next_power_of_2(G), 2), SIGNAL=False, WAIT=False,
+                 PDL=False)
     chain_args = (idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
     if link is not None:
         if link.ready is None:
@@ -524,7 +516,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
             tuning.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **cfg))
         pdl = dict(launch_pdl=True) if flags["PDL"] and flags["WAIT"] else {}  # GEMM2 as GEMM1's dependent
         _launch[programs](*args, *descs, *tail, **flags, **cfg, **pdl)
-        last_launch.update(source=source, config=cfg)
+        last_launch.update(source=source, config=cfg, decoded=(x_dec, w_dec))
         return out, cfg
 
     if link is not None:  # timed configs run one after another; GEMM2 follows a searched GEMM1 by a plain launch
@@ -532,7 +524,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
     _autotuned[programs](*args, *(descriptors() if tma else (None, None)), *tail, **flags)
     best = getattr(_autotuned, "best_config", None)
     cfg = dict(best.all_kwargs()) if best is not None else None
-    last_launch.update(source="autotune", config=cfg)
+    last_launch.update(source="autotune", config=cfg, decoded=(x_dec, w_dec))
     return out, cfg
 
 
@@ -606,6 +598,8 @@ def _compile_checks():
                                "K16": "i32", "M_BUCKET": "i32"}
                         const = {"RAGGED": ragged, "X_FP4": x_fp4, "W_FP4": w_fp4, "SWIGLU": swiglu,
                                  "HAS_RS": has_rs, "BLOCK_G": 32,
+                                 "X_DECODED": ragged and not (x_fp4 or w_fp4 or swiglu),  # decoded NVFP4 copies
+                                 "W_DECODED": not (x_fp4 or w_fp4 or swiglu),
                                  "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
                                  "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8, "TMA": tma,
                                  "EVEN_K": ragged,  # both load paths, over the variants

@@ -47,6 +47,7 @@ QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape c
 SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no config search, first configs untimed (fuzzing: see launch())
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": weight-streaming tiles (see prune_grouped_gemm_configs)
 PERSISTENT_ROUNDS = 8  # persistent pointer-load grids (masked layouts): this many times the programs that fit at once
+DECODED_MIN_M = 512  # from this bucket on NVFP4 operands are decoded to bf16 copies once, then bf16 tiles
 FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
 
@@ -140,9 +141,9 @@ def sm_count() -> int:
 
 
 def prune_grouped_gemm_configs(configs, named_args, **kwargs):
-    """Keep configs that suit the shape class: at decode buckets tiles of up to twice the bucket's rows (either
-    operand order), large tiles otherwise; tiles no wider than the problem; enough programs to fill the SMs when
-    that is possible.
+    """Keep configs that suit the shape class: row tiles of up to twice the bucket's rows (either operand order at
+    decode buckets, not swapped above them but for NVFP4 weights); tiles no wider than the problem; enough programs
+    to fill the SMs when that is possible.
 
     Why twice: routed tokens spread over the experts (a mean of m per expert reaches about m + 3 sqrt(m)), and a
     row tile short of an expert's count makes a second pass over that expert's weights. On the H200, DeepSeek-V3 at
@@ -161,12 +162,10 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         if kw.get("TMA") and not tma_ok:
             continue
         bm = kw["BLOCK_M"]
-        if decode:
-            fits = bm <= max(2 * m, 16)
-        elif kw["SWAP_AB"]:
+        if kw["SWAP_AB"] and not decode:
             fits = w_fp4 and m <= FP4_SWAP_MAX_M and bm == 64
         else:
-            fits = bm <= max(m, 64)
+            fits = bm <= max(2 * m, 16)
         if not fits:
             continue
         right_kind.append(c)
