@@ -42,6 +42,10 @@ import numpy as np  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+COMPILED = tl.constexpr(not INTERPRETER)
+"""The kernels' branch for what only a compiled kernel runs (inline PTX, a wait on another kernel's progress, a
+single-rounding fma); the interpreter takes plain ops that give the same values."""
+
 
 def device() -> torch.device:
     """The device moe-ep kernels run on: the current CUDA device, else the CPU (interpreter)."""

@@ -132,6 +132,24 @@ def test_decoded_nvfp4_same_bits_as_decoding_in_the_loop(dev, monkeypatch, layou
     assert (outs[0][valid].float() - ref[valid]).norm() <= GEMM_TOL * ref[valid].norm()
 
 
+def test_decoded_min_m_from_the_environment(dev, monkeypatch):
+    """$MOE_EP_DECODED_MIN_M moves the bucket from which NVFP4 operands are decoded first, or turns it off; anything
+    else is a named configuration error."""
+    monkeypatch.setenv(tuning.SEARCH_ENV, "off")
+    x = torch.randn(5, 32).bfloat16().to(dev)
+    wq, _ = gemm_operand(torch.randn(2, 16, 32).bfloat16().to(dev), "nvfp4", per_slice=True)
+    offs = torch.tensor([0, 3, 5], device=dev)
+    for env, m_hint, decoded in (("off", tuning.DECODED_MIN_M, False), ("64", 64, True), ("64", 32, False),
+                                 (" ", tuning.DECODED_MIN_M, True)):
+        monkeypatch.setenv(tuning.DECODED_ENV, env)
+        grouped_gemm(x, wq, offsets=offs, m_hint=m_hint)
+        assert gg.last_launch["decoded"] == (False, decoded), (env, m_hint)
+    for bad in ("0", "-8", "lots", "1e3"):
+        monkeypatch.setenv(tuning.DECODED_ENV, bad)
+        with pytest.raises(MoEEpConfigError, match=tuning.DECODED_ENV):
+            grouped_gemm(x, wq, offsets=offs, m_hint=64)
+
+
 def test_tma_config_falls_back_to_pointer_loads(dev, monkeypatch):
     """Where TMA cannot run, a TMA config's tiles go through pointer loads: NVFP4 weights, and the masked layout
     (a TMA box would read an expert's padding rows)."""

@@ -24,11 +24,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..triton_runtime import INTERPRETER
+from ..triton_runtime import COMPILED, INTERPRETER
 from . import tuning
 
 CHAIN_ENV = "MOE_EP_GEMM_CHAIN"  # "off": GEMM2 waits for the whole of GEMM1 (a plain launch after it)
-_SPIN = tl.constexpr(not INTERPRETER)  # the interpreter runs GEMM1 to its end before GEMM2 starts
 
 
 @triton.jit
@@ -45,7 +44,7 @@ def expert_ready(ready_ptr, g, rows, WAIT_BM, WAIT_NT):
     finished, so it only checks: a short count drops the tile's rows, which a poisoned output shows."""
     need = tl.cdiv(rows, WAIT_BM) * WAIT_NT
     done = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
-    if _SPIN:
+    if COMPILED:  # the interpreter runs GEMM1 to its end before GEMM2 starts: nothing to wait for
         while done < need:
             done = tl.atomic_add(ready_ptr + g, 0, sem="acquire", scope="gpu")
     return done >= need

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_runtime import INTERPRETER
+from ..triton_runtime import COMPILED
 from . import tuning
 from .nvfp4 import e4m3_values_of_bytes
 
@@ -40,7 +40,6 @@ prmt.b32 t, $1, $2, 0x4101; shr.b32 t, t, 4; and.b32 t, t, 0x07F007F0;
 mov.b32 c, 0x7F007F00; fma.rn.bf16x2 t, t, c, z;
 mov.b32 c, 0x77007700; fma.rn.bf16x2 $0, t, c, z;
 }""")
-_DECODE_ASM = tl.constexpr(not INTERPRETER)  # the interpreter runs no inline asm: same values, plain ops
 
 
 @triton.jit
@@ -49,7 +48,7 @@ def fp4_tile(q, scale_bytes, R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K_ORDER
     scale bytes [R, BLOCK_K / 16] -> bf16 [R, BLOCK_K] in the dot's k order (:func:`dot_k_order`), holding
     ``e2m1 * s * 2^-8`` (exact; the caller folds 2^8 into the global scale)."""
     QK: tl.constexpr = BLOCK_K // 4
-    if _DECODE_ASM:
+    if COMPILED:  # inline PTX; the interpreter runs none: the same values from plain ops
         s = tl.inline_asm_elementwise(_SCALE_ASM, "=r,r,r", [scale_bytes.to(tl.int32)], dtype=tl.bfloat16,
                                       is_pure=True, pack=2)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], [R, BLOCK_K // 16, 4]), [R, QK])

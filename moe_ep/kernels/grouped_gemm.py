@@ -392,8 +392,9 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
     ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales; one global scale, or one per row as
     received NVFP4 tokens carry their source rank's). ``w``: bf16 ``[G, N, K]``,
     or an NvFp4Tensor of that shape (linear scales, global scale ``[G]``, one per expert). K % 16 == 0.
-    NVFP4 operands from ``tuning.DECODED_MIN_M`` (512) tokens per expert on are decoded into transient bf16 copies
-    (as large as bf16 operands; x only when ragged) and multiplied as bf16: faster there than decoding per tile.
+    NVFP4 operands from 512 tokens per expert on (``$MOE_EP_DECODED_MIN_M``: another bucket, or off) are decoded into
+    transient bf16 copies (as large as bf16 operands; x only when ragged) and multiplied as bf16: faster there than
+    decoding per tile.
     ``swiglu``: w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
     ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
     per row of x (``[G, M_max]`` / ``[S]``), applied to the output row (the routing weight).
@@ -460,7 +461,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
     # Decoding in the K loop redoes it for every tile that reads the operand and, unswapped, sends the decoded weight
     # tile through shared memory: on the H200 at 1024 tokens per expert 1.3x slower for NVFP4 weights, 8x for NVFP4 x
     # (docs/PERF.md). Not x in the masked layout: its copy would read the rows past the counts.
-    prefill = tuning.m_bucket(m) >= tuning.DECODED_MIN_M
+    prefill = tuning.m_bucket(m) >= tuning.decoded_min_m()
     x_dec, w_dec = x_fp4 and ragged and prefill, w_fp4 and prefill
     if x_dec:
         xd, x_fp4 = decode_nvfp4(xd, xs, xshape), False

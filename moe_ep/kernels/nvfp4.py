@@ -21,7 +21,7 @@ import triton.language as tl
 from ..errors import MoEEpInputError, check
 from ..reference import (NVFP4_BLOCK, nvfp4_global_scale_ref, swizzle_scales_ref, swizzled_scale_shape,
                          unswizzle_scales_ref)
-from ..triton_runtime import INTERPRETER, device as kernel_device
+from ..triton_runtime import COMPILED, device as kernel_device
 from . import tuning
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -137,7 +137,6 @@ def swizzled_offset(m, c, CP):
 # row counts only bound masks and index rows (K and the strides set the vector widths): not specialized on
 # their divisibility, so varying batch sizes reuse one compiled variant instead of up to 3^4
 _ROW_COUNTS = ["R", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET"]
-_GPU = tl.constexpr(not INTERPRETER)  # the interpreter runs no inline asm and its fma rounds twice
 
 
 # 8 bf16 (4 words) -> 8 fp32 (low half shifted up, high half masked: one instruction each; the stock
@@ -205,18 +204,18 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_
     # layout, so one thread holds a whole block: amax, rounding and nibble packing stay in its registers
     xp = x_ptr + src[None, :, None] * stride_x + sc[:, None, None] * 16 + tl.arange(0, 8)[None, None, :]
     if EVEN_K and not HAS_IDX:
-        x0, sg0 = unpack_signs(tl.load(xp), _GPU)
-        x1, sg1 = unpack_signs(tl.load(xp + 8), _GPU)
+        x0, sg0 = unpack_signs(tl.load(xp), COMPILED)
+        x1, sg1 = unpack_signs(tl.load(xp + 8), COMPILED)
     else:
-        x0, sg0 = unpack_signs(tl.load(xp, mask=lmask[:, :, None], other=0.0), _GPU)
-        x1, sg1 = unpack_signs(tl.load(xp + 8, mask=lmask[:, :, None], other=0.0), _GPU)
+        x0, sg0 = unpack_signs(tl.load(xp, mask=lmask[:, :, None], other=0.0), COMPILED)
+        x1, sg1 = unpack_signs(tl.load(xp + 8, mask=lmask[:, :, None], other=0.0), COMPILED)
     if ONE_GS:  # one global scale for all rows: no per-row division
         gs = tl.load(gs_ptr)
     else:
         gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)[None, :]
 
     amax = tl.maximum(tl.max(tl.abs(x0), axis=2), tl.max(tl.abs(x1), axis=2))
-    y = tl.minimum(div6(amax, _GPU and x_ptr.dtype.element_ty != tl.float32) * gs, 448.0)
+    y = tl.minimum(div6(amax, COMPILED and x_ptr.dtype.element_ty != tl.float32) * gs, 448.0)
     s_val, s_byte = e4m3_rne(y)
     inv = tl.where(s_val > 0, tl.math.div_rn(tl.broadcast_to(gs, s_val.shape), tl.where(s_val > 0, s_val, 1.0)), 0.0)
     # code sign = sign of x * inv = sign of x (inv >= +0), so it comes from x's bits

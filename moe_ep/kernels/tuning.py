@@ -48,6 +48,7 @@ SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no config search, first configs untimed
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": weight-streaming tiles (see prune_grouped_gemm_configs)
 PERSISTENT_ROUNDS = 8  # persistent pointer-load grids (masked layouts): this many times the programs that fit at once
 DECODED_MIN_M = 512  # from this bucket on NVFP4 operands are decoded to bf16 copies once, then bf16 tiles
+DECODED_ENV = "MOE_EP_DECODED_MIN_M"  # overrides DECODED_MIN_M: tokens per expert, or "off"
 FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
 
@@ -194,6 +195,20 @@ def search_off() -> bool:
     """True when ``MOE_EP_AUTOTUNE=off``: autotuned kernels run their first config (:func:`launch`), and GEMM
     shapes without a tuned config :func:`first_gemm_config`."""
     return os.environ.get(SEARCH_ENV, "").lower() == "off"
+
+
+def decoded_min_m() -> float:
+    """Tokens per expert from which the grouped GEMM decodes NVFP4 operands into bf16 copies before multiplying:
+    ``$MOE_EP_DECODED_MIN_M`` (a positive integer, or "off": never, for a tight memory budget, since the copies are
+    as large as bf16 operands), else :data:`DECODED_MIN_M`."""
+    text = os.environ.get(DECODED_ENV, "").strip().lower()
+    if not text:
+        return DECODED_MIN_M
+    if text == "off":
+        return math.inf
+    if not text.isdigit() or int(text) < 1:
+        raise MoEEpConfigError(f"{DECODED_ENV} = {text!r}; allowed: a positive integer (tokens per expert) or off")
+    return int(text)
 
 
 def launch(kernel, grid, *args, **kwargs):
