@@ -33,8 +33,10 @@ _fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixtur
 
 @pytest.fixture(autouse=True)
 def _bounded_autotune(monkeypatch):
-    """On a GPU, search at most 3 configs per shape class: the tests check results, not speed."""
+    """On a GPU, search at most 3 configs per shape class: the tests check results, not speed. The decoded-copy bucket
+    is the default one, whatever the caller's environment says."""
     monkeypatch.setenv(tuning.QUICK_ENV, "1")
+    monkeypatch.delenv(tuning.DECODED_ENV, raising=False)
 
 
 def _values(shape, scale, zero_frac, gen, dev):
