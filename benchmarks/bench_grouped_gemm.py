@@ -4,7 +4,7 @@ Each row: a model's local experts at a number of tokens per expert, ragged layou
 offsets). Every expert gets exactly that many rows; rows of up to 128 tokens per expert are also timed with the
 same rows spread as routing spreads them ("routed": counts vary around the mean, which is what a model's router
 gives, ours and torch's alike), and in the masked layout. Columns: our time with bf16 weights and with NVFP4
-weights (for decode rows also with the GEMM1 -> GEMM2 chain off), torch._grouped_mm (bf16, two GEMMs + silu*mul)
+weights (for decode rows also with the GEMM1 -> GEMM2 chain off), with NVFP4 x and weights, torch._grouped_mm (bf16, two GEMMs + silu*mul)
 in the same process, the time a plain streaming-read kernel takes to read the bf16 weights once (the practical
 byte ceiling), the byte floor (weight bytes / 4.8 TB/s), the FLOP floor (/ 795 TFLOP/s), and the relative error
 against the torch peer.
@@ -105,7 +105,7 @@ def warm(x, w13, w2, idx, m, table):
     for (n, k, sw), c in zip(((n1, k1, True), (n2, k2, False)), won):
         if c.get("config") and not any(c.get("decoded", ())):  # (decoded NVFP4 operands run bf16 tiles)
             cfg = {k_: c["config"][k_] for k_ in (*tuning.GEMM_PARAMS, "TMA", "num_warps", "num_stages")}
-            table.setdefault(tuning.shape_class(n, k, False, fp4, sw), {})[str(tuning.m_bucket(m))] = cfg
+            table.setdefault(tuning.shape_class(n, k, fp4, sw), {})[str(tuning.m_bucket(m))] = cfg
     return won
 
 
@@ -165,12 +165,21 @@ def run_row(name, E, H, I, tpe, table):
     row["ours_nvfp4_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=offs))
     if routed is not None:
         row["ours_nvfp4_routed_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=routed))
+    # NVFP4 x too (one global scale per row, as received tokens carry): decoded to a bf16 copy before GEMM1
+    qx = quantize_nvfp4(x, nvfp4_global_scale(x.view(S, 1, H), per_slice=True))
+    ours44 = expert_mlp(qx, q13, q2, offsets=offs)
+    row["ours_nvfp4_x_us"] = bench(lambda: expert_mlp(qx, q13, q2, offsets=offs))
+    if tpe <= ROUTED_MAX:
+        qxm = quantize_nvfp4(x.view(E, tpe, H))
+        row["ours_nvfp4_x_masked_us"] = bench(lambda: expert_mlp(qxm, q13, q2, counts=counts))
     d13, d2 = dequantize_nvfp4(q13), dequantize_nvfp4(q2)
     try:
         row["rel_err_nvfp4"] = rel_err(ours4, torch_mlp(x, d13.transpose(1, 2), d2.transpose(1, 2), offs[1:], I))
+        row["rel_err_nvfp4_x"] = rel_err(ours44, torch_mlp(dequantize_nvfp4(qx), d13.transpose(1, 2),
+                                                           d2.transpose(1, 2), offs[1:], I))
     except Exception:  # noqa: BLE001
-        row["rel_err_nvfp4"] = float("nan")
-    del q13, q2, d13, d2
+        row["rel_err_nvfp4"] = row["rel_err_nvfp4_x"] = float("nan")
+    del q13, q2, d13, d2, qx
     del x, w13, w2
     torch.cuda.empty_cache()
     return row
@@ -209,7 +218,8 @@ def main():
 
     print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'unchain':>8} {'masked':>8} {'torch':>8} {'routed':>8} "
           f"{'torch rt':>8} {'fp4 rt':>8} {'read':>8} "
-          f"{'byteflr':>8} {'flopflr':>8} {'ours fp4':>8} {'fp4flr':>8} {'err bf16':>8} {'err fp4':>8}  "
+          f"{'byteflr':>8} {'flopflr':>8} {'ours fp4':>8} {'fp4flr':>8} {'x+w fp4':>8} {'x+w msk':>8} "
+          f"{'err bf16':>8} {'err fp4':>8} {'err x+w':>8}  "
           "configs (gemm1, gemm2; bf16 | fp4)")
     for r in rows:
         print(f"{r['model'][:16]:16} {r['tokens_per_expert']:5d} {f(r['ours_bf16_us']):>9} "
@@ -219,12 +229,15 @@ def main():
               f"{f(r.get('ours_nvfp4_routed_us')):>8} {f(r['read_weights_us']):>8} "
               f"{f(r['byte_floor_us']):>8} "
               f"{f(r['flop_floor_us']):>8} {f(r.get('ours_nvfp4_us')):>8} {f(r.get('byte_floor_nvfp4_us')):>8} "
-              f"{r['rel_err_bf16']:8.1e} {r.get('rel_err_nvfp4', float('nan')):8.1e}  "
+              f"{f(r.get('ours_nvfp4_x_us')):>8} {f(r.get('ours_nvfp4_x_masked_us')):>8} "
+              f"{r['rel_err_bf16']:8.1e} {r.get('rel_err_nvfp4', float('nan')):8.1e} "
+              f"{r.get('rel_err_nvfp4_x', float('nan')):8.1e}  "
               f"{','.join(r['configs_bf16'])} | {','.join(r.get('configs_nvfp4', []))}")
     print("times in us (median of CUDA-graph replays, triton.testing.do_bench_cudagraph); unchain: ours bf16 with "
           "MOE_EP_GEMM_CHAIN=off (decode rows); routed / torch rt / fp4 rt: rows up to 128 tokens per expert "
           "spread over the experts as routing spreads them (ours bf16, torch, ours NVFP4 weights); read: the bf16 "
-          "weights streamed once (a plain Triton read kernel, best of 3 tilings); "
+          "weights streamed once (a plain Triton read kernel, best of 3 tilings); x+w fp4 / x+w msk: NVFP4 x (per-row "
+          "global scales; masked: one) and NVFP4 weights, ragged / masked; "
           "floors: weight bytes / 4.8 TB/s, FLOPs / 795 TFLOP/s")
 
 

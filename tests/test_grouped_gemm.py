@@ -96,19 +96,19 @@ def test_tma_config_matches_reference(dev, monkeypatch, c):
 @_fixture_ok
 @given(gemm_cases(GEMM_BOUNDS))
 def test_decoded_nvfp4_operands_match_reference(dev, c):
-    """At a prefill bucket NVFP4 operands are decoded once into bf16 copies (x only when ragged), then bf16 tiles (TMA
+    """At a prefill bucket NVFP4 weights are decoded once into a bf16 copy too (x always is), then bf16 tiles (TMA
     where the layout allows) with the global scales on the fp32 sums."""
     gg.last_launch.clear()
     if _check_gemm(dev, c, tuning.DECODED_MIN_M):
-        assert gg.last_launch["decoded"] == (c["x_fmt"] != "bf16" and c["ragged"], c["w_fmt"] == "nvfp4")
+        assert gg.last_launch["decoded"] == (c["x_fmt"] != "bf16", c["w_fmt"] == "nvfp4")
 
 
 @pytest.mark.parametrize("layout", ["masked", "ragged"])
 @pytest.mark.parametrize("x_fmt", ["bf16", "nvfp4", "nvfp4_rows"])
 def test_decoded_nvfp4_same_bits_as_decoding_in_the_loop(dev, monkeypatch, layout, x_fmt):
-    """The decoded copies hold exactly the values the K loop decodes (fp4_mma.decode_nvfp4), up to a power of two
-    that the global scale takes back: with the same tiles the two paths give the same bits. Below the bucket the K
-    loop decodes."""
+    """The decoded weight copy holds exactly the values the K loop decodes (fp4_mma.decode_nvfp4), up to a power of
+    two that the global scale takes back: with the same tiles the two paths give the same bits. Below the bucket the K
+    loop decodes the weights; NVFP4 x is decoded to a copy at every size."""
     cfg = dict(_TMA, TMA=False, BLOCK_K=64)
     monkeypatch.setattr(tuning, "tuned_gemm_config", lambda *a, **k: dict(cfg))
     gen = torch.Generator().manual_seed(7)
@@ -126,12 +126,35 @@ def test_decoded_nvfp4_same_bits_as_decoding_in_the_loop(dev, monkeypatch, layou
     for m_hint in (tuning.DECODED_MIN_M, 64):
         outs.append(grouped_gemm(xk, wq, **idx, swiglu=True, m_hint=m_hint))
         prefill = m_hint == tuning.DECODED_MIN_M
-        assert gg.last_launch["decoded"] == (prefill and x_fmt != "bf16" and layout == "ragged", prefill)
+        assert gg.last_launch["decoded"] == (x_fmt != "bf16", prefill)
         assert gg.last_launch["config"] == cfg
     valid = (torch.arange(M, device=dev)[None, :] < counts[:, None]) if layout == "masked" else slice(None)
     assert torch.equal(outs[0][valid], outs[1][valid])
     ref = grouped_gemm_ref(xr, wr, **idx, swiglu=True)
     assert (outs[0][valid].float() - ref[valid]).norm() <= GEMM_TOL * ref[valid].norm()
+
+
+@pytest.mark.parametrize("K", [64, 48])
+def test_decode_nvfp4_masked_rows(dev, monkeypatch, K):
+    """The masked decode (NVFP4 x before the GEMM) writes e2m1 * s / 256 for exactly the rows within the counts (the
+    others stay as they were), with several programs per expert walking its row blocks; the dense decode writes every
+    row."""
+    from moe_ep.kernels.fp4_mma import decode_nvfp4
+    from moe_ep.reference import dequantize_nvfp4_ref
+    monkeypatch.setattr(tuning, "sm_count", lambda: 64)  # several programs per expert
+    G, M = 3, 80
+    counts = torch.tensor([37, 0, 80], dtype=torch.int32, device=dev)
+    q = quantize_nvfp4(torch.randn(G, M, K, generator=torch.Generator().manual_seed(3)).bfloat16().to(dev))
+    data, scales = q.data, q.scales.view(torch.uint8)
+    empty = torch.empty  # the copy is made with torch.empty: poison it to see which rows the kernel writes
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype") == torch.bfloat16 else empty(*a, **k))
+    got = decode_nvfp4(data, scales, (G, M, K), counts)
+    want = (dequantize_nvfp4_ref(q.data, q.scales, torch.ones((), device=dev)) / 256).bfloat16()
+    dense = decode_nvfp4(data, scales, (G, M, K))
+    valid = torch.arange(M, device=dev)[None, :] < counts[:, None]
+    assert torch.equal(got[valid], want[valid]) and torch.equal(dense, want)
+    assert torch.isnan(got[~valid].float()).all()
 
 
 def test_decoded_min_m_from_the_environment(dev, monkeypatch):
@@ -216,26 +239,27 @@ def test_expert_mlp_chain(dev, monkeypatch, layout):
     assert torch.equal(chained[valid], plain[valid])
 
 
-@pytest.mark.parametrize("w_fmt", ["bf16", "nvfp4"])
-def test_masked_persistent_grid_matches_one_program_per_tile(dev, monkeypatch, w_fmt):
+@pytest.mark.parametrize("w_fmt, x_fmt, m_hint", [("bf16", "bf16", 8), ("nvfp4", "bf16", 8), ("bf16", "nvfp4", 200),
+                                                   ("nvfp4", "nvfp4", 200)])
+def test_masked_persistent_grid_matches_one_program_per_tile(dev, monkeypatch, w_fmt, x_fmt, m_hint):
     """A masked layout whose row capacity far exceeds its counts walks its tiles with a persistent grid: the same
     tiles as one program per tile slot, so the same bits, and rows past the counts untouched either way (bf16 weights
-    also run the GEMM1 -> GEMM2 chain)."""
+    at decode sizes also run the GEMM1 -> GEMM2 chain; m_hint 200 takes unswapped tiles)."""
     monkeypatch.setenv(tuning.SEARCH_ENV, "off")
     monkeypatch.setattr(tuning, "persistent_programs", lambda meta, swiglu: 2)  # several tiles per program
     gen = torch.Generator().manual_seed(5)
     G, H, I, M = 3, 128, 48, 64
     counts = torch.tensor([17, 0, 50], device=dev)
-    x = torch.randn(G, M, H, generator=gen).bfloat16().to(dev)
+    x, xr = gemm_operand(torch.randn(G, M, H, generator=gen).bfloat16().to(dev), x_fmt)
     w13, r13 = gemm_operand((torch.randn(G, 2 * I, H, generator=gen) * 0.2).bfloat16().to(dev), w_fmt, per_slice=True)
     w2, r2 = gemm_operand((torch.randn(G, H, I, generator=gen) * 0.2).bfloat16().to(dev), w_fmt, per_slice=True)
-    ref = expert_mlp_ref(x.float(), r13, r2, counts=counts)
+    ref = expert_mlp_ref(xr, r13, r2, counts=counts)
     valid = torch.arange(M, device=dev)[None, :] < counts[:, None]
     outs, walked = [], []
     for persistent in (True, False):
         monkeypatch.setattr(gg, "_persistent", lambda a, p=persistent: walked.append(p) or p)
         out = torch.full((G, M, H), float("nan"), dtype=torch.bfloat16, device=dev)
-        expert_mlp(x, w13, w2, counts=counts, out=out, m_hint=8)
+        expert_mlp(x, w13, w2, counts=counts, out=out, m_hint=m_hint)
         _assert_close(out, ref, valid, MLP_TOL)
         outs.append(out)
     assert walked and all(walked[:len(walked) // 2]) and not any(walked[len(walked) // 2:])
@@ -347,7 +371,7 @@ def test_tuned_config_file_overrides_autotune(dev, tmp_path, monkeypatch):
     w = torch.randn(G, 2 * N, K).bfloat16().to(dev)
     cnt = torch.tensor([5, 1, 0], device=dev)
     other = dict(_ODD, BLOCK_N=32)
-    _tuned_file(tmp_path, monkeypatch, {tuning.shape_class(N, K, False, False, True): {"16": _ODD, "256": other}})
+    _tuned_file(tmp_path, monkeypatch, {tuning.shape_class(N, K, False, True): {"16": _ODD, "256": other}})
     out = grouped_gemm(x, w, counts=cnt, swiglu=True)
     assert gg.last_launch == {"source": "tuned-file", "config": dict(_ODD, TMA=False), "decoded": (False, False)}
     ref = grouped_gemm_ref(x, w, counts=cnt, swiglu=True)
@@ -374,9 +398,9 @@ def test_search_off_launches_the_first_suitable_config_untimed(dev, tmp_path, mo
     assert (out.float() - ref).norm() <= GEMM_TOL * ref.norm()
 
 
-@pytest.mark.parametrize("table", [[1, 2], {tuning.shape_class(32, 32, False, False, False): {"16": {"BLOCK_M": 16}}},
-                                   {tuning.shape_class(32, 32, False, False, False): {"16": dict(_ODD, BLOCK_N=24)}},
-                                   {tuning.shape_class(32, 32, False, False, False): {"16": dict(_ODD, TMA="yes")}}])
+@pytest.mark.parametrize("table", [[1, 2], {tuning.shape_class(32, 32, False, False): {"16": {"BLOCK_M": 16}}},
+                                   {tuning.shape_class(32, 32, False, False): {"16": dict(_ODD, BLOCK_N=24)}},
+                                   {tuning.shape_class(32, 32, False, False): {"16": dict(_ODD, TMA="yes")}}])
 def test_bad_tuned_config_file_raises(dev, tmp_path, monkeypatch, table):
     _tuned_file(tmp_path, monkeypatch, table)
     x = torch.zeros(1, 2, 32, dtype=torch.bfloat16, device=dev)
@@ -392,10 +416,10 @@ def test_compile_checks_cover_every_variant():
         assert not isinstance(fn, triton.runtime.autotuner.Autotuner) and hasattr(fn, "arg_names")
         assert set(sig) == set(fn.arg_names)
         assert all(sig[k] == "constexpr" for k in const)
-        seen.add(tuple(const[k] for k in ("RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB", "TMA")))
-    want = {(r, xf, wf, s, not s, sw, 0)
-            for r in (0, 1) for xf in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
-    want |= {(1, 0, 0, s, not s, 0, 1) for s in (0, 1)}  # TMA: ragged, bf16 operands, not swapped
+        seen.add(tuple(const[k] for k in ("RAGGED", "X_DECODED", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB", "TMA")))
+    want = {(r, xd, wf, s, not s, sw, 0)
+            for r in (0, 1) for xd in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
+    want |= {(1, xd, 0, s, not s, 0, 1) for xd in (0, 1) for s in (0, 1)}  # TMA: ragged, bf16 weights, not swapped
     assert {tuple(bool(v) for v in t) for t in seen} == {tuple(bool(v) for v in t) for t in want}
 
 

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 from hypothesis import assume, given, reproduce_failure, settings
@@ -408,21 +409,22 @@ def run(args) -> int:
         raise MoEEpInputError(f"--jobs = {args.jobs}; allowed: a positive int")
     if args.jobs > 1 and not args.reproduce:
         return _report(run_parallel(args, names), args)
-    if not args.all_configs:
-        os.environ.setdefault("MOE_EP_AUTOTUNE", "off")
+    # untimed first configs unless the caller chose otherwise; for this run only (main() is also called in-process)
+    search = {} if args.all_configs or "MOE_EP_AUTOTUNE" in os.environ else {"MOE_EP_AUTOTUNE": "off"}
     sizes = args.sizes or ("tiny" if INTERPRETER or not torch.cuda.is_available() else "gpu")
     db, dev = _database(args), device()
     os.makedirs(db, exist_ok=True)
     budget = None if args.seconds is None else args.seconds / len(names)
     print(f"fuzzing {', '.join(names)} on {dev} ({sizes} sizes; database {db})", flush=True)
     results = []
-    for name in names:
-        r = run_target(name, args, sizes, db, budget, dev)
-        results.append(r)
-        print(f"  {name}: {r['status']} after {r['examples']} example(s), {r['seconds']:.1f} s", flush=True)
-        if r["status"] == "FAILED":
-            print(f"\nMISMATCH in {name}: {r['detail']}\n{r['report']}\nreproduce with:\n  {r['reproduce']}\n",
-                  flush=True)
+    with mock.patch.dict(os.environ, search):
+        for name in names:
+            r = run_target(name, args, sizes, db, budget, dev)
+            results.append(r)
+            print(f"  {name}: {r['status']} after {r['examples']} example(s), {r['seconds']:.1f} s", flush=True)
+            if r["status"] == "FAILED":
+                print(f"\nMISMATCH in {name}: {r['detail']}\n{r['report']}\nreproduce with:\n  {r['reproduce']}\n",
+                      flush=True)
     return _report(results, args)
 
 

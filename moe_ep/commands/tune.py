@@ -1,11 +1,12 @@
 """``moe-ep tune``: time every grouped-GEMM config for a preset's shapes and write the best per token bucket.
 
 Shapes per preset (L local experts, hidden H, intermediate I): GEMM1 ``[*, H] x [L, 2I, H]`` with the SwiGLU
-epilogue and GEMM2 ``[*, I] x [L, H, I]``, for each weight format (``--formats``) and, for GEMM1, each
-activation format (``--activations``). Token buckets are tokens per expert (``--buckets``): the tuned-config
-file's inner key (``moe_ep.kernels.tuning.m_bucket``). The rows of a bucket of m tokens per expert are spread over
-the experts as routing spreads them (``--counts routed``, the default: each row's expert drawn at random, so counts
-vary around m), not exactly m each (``--counts uniform``): the best tile height depends on that spread.
+epilogue and GEMM2 ``[*, I] x [L, H, I]``, for each weight format (``--formats``); x is bf16 (NVFP4 x is decoded
+to a bf16 copy before the GEMM, so it runs the same tiles). Token buckets are tokens per expert (``--buckets``): the
+tuned-config file's inner key (``moe_ep.kernels.tuning.m_bucket``). The rows of a bucket of m tokens per expert are
+spread over the experts as routing spreads them (``--counts routed``, the default: each row's expert drawn at
+random, so counts vary around m), not exactly m each (``--counts uniform``): the best tile height depends on that
+spread.
 
 The candidates are exactly the kernels' own space, ``tuning.grouped_gemm_configs()`` pruned by
 ``tuning.prune_grouped_gemm_configs`` for the shape class, the same list ``triton.autotune`` would try.
@@ -44,7 +45,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--formats", default="bf16,nvfp4", help="weight formats: bf16,nvfp4")
     parser.add_argument("--counts", choices=COUNTS, default="routed",
                         help="rows per expert: routed (drawn at random around the bucket) or uniform (exactly it)")
-    parser.add_argument("--activations", default="bf16", help="GEMM1 activation formats: bf16,nvfp4")
     parser.add_argument("--gemms", default="gemm1,gemm2", help="which GEMMs: gemm1 (SwiGLU), gemm2")
     parser.add_argument("--out-dir", default=None, help="folder for <device>.json (default: $MOE_EP_CONFIG_DIR, "
                         "else the package's moe_ep/kernels/configs)")
@@ -88,17 +88,16 @@ def out_dir(args, tuning) -> str:
         os.path.join(os.path.dirname(tuning.__file__), "configs")
 
 
-def shapes(preset, gemms, formats, activations, buckets) -> list[dict]:
+def shapes(preset, gemms, formats, buckets) -> list[dict]:
     """Every (GEMM, formats, bucket) to tune for ``preset``."""
     H, I = preset.hidden, preset.intermediate
     out = []
     for g in gemms:
         n, k, swiglu = (I, H, True) if g == "gemm1" else (H, I, False)
         for wf in formats:
-            for xf in (activations if g == "gemm1" else ["bf16"]):
-                for m in buckets:
-                    out.append(dict(preset=preset.name, gemm=g, N=n, K=k, swiglu=swiglu, x_fp4=xf == "nvfp4",
-                                    w_fp4=wf == "nvfp4", bucket=m, G=preset.local_experts))
+            for m in buckets:
+                out.append(dict(preset=preset.name, gemm=g, N=n, K=k, swiglu=swiglu, w_fp4=wf == "nvfp4", bucket=m,
+                                G=preset.local_experts))
     return out
 
 
@@ -111,8 +110,6 @@ def _operands(s, dev, counts: str):
     x = torch.randn(G * m, K, generator=gen, device=dev).to(torch.bfloat16)
     if s["w_fp4"]:
         w = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
-    if s["x_fp4"]:
-        x = quantize_nvfp4(x)
     return x, w, (routed_offsets if counts == "routed" else uniform_offsets)(G, m, dev)
 
 
@@ -121,7 +118,7 @@ def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev, counts:
     cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(),
                                               {"M_BUCKET": tuning.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
                                                "G": s["G"], "SWIGLU": s["swiglu"],
-                                               "TMA_OK": not s["x_fp4"] and not s["w_fp4"] and tuning.tma_supported()},
+                                               "TMA_OK": not s["w_fp4"] and tuning.tma_supported()},
                                               SWIGLU=s["swiglu"], W_FP4=s["w_fp4"])
     x, w, offsets = _operands(s, dev, counts)
     fn = lambda: gg.grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])  # noqa: E731
@@ -156,8 +153,7 @@ def run(args) -> int:
     presets = [preset_from_args(args, n) for n in names]
     buckets = int_list(args.buckets or ("16" if INTERPRETER else "8,16,32,64,128,256,512,1024,2048"), "--buckets")
     todo = [s for p in presets for s in shapes(p, name_list(args.gemms, "--gemms", GEMMS),
-                                               name_list(args.formats, "--formats", FORMATS),
-                                               name_list(args.activations, "--activations", FORMATS), buckets)]
+                                               name_list(args.formats, "--formats", FORMATS), buckets)]
     folder = out_dir(args, tuning)
     path = os.path.join(folder, tuning.device_name() + ".json")
     dev = device()
@@ -167,7 +163,7 @@ def run(args) -> int:
     t0, rows, report, stopped = time.perf_counter(), [], [], False
     with progress("tune", len(todo)) as advance:
         for s in todo:
-            key = tuning.shape_class(s["N"], s["K"], s["x_fp4"], s["w_fp4"], s["swiglu"])
+            key = tuning.shape_class(s["N"], s["K"], s["w_fp4"], s["swiglu"])
             label = f"{s['preset']} {s['gemm']} {key} m={s['bucket']}"
             table = tuning.load_config_file(path)  # re-read: another process may have added shapes
             if not args.force and str(s["bucket"]) in table.get(key, {}):

@@ -5,7 +5,8 @@ into bf16 values ``e2m1 * s * 2^-8`` (exact in bf16) by 3 integer ops and one bf
 PTX, :data:`_FP4_ASM`) and the scales by 2.5 ops each (:data:`_SCALE_ASM`). With K permuted (:func:`dot_k_order`)
 those registers are wgmma's register operand as they are, with no shuffles. The interpreter, which runs no inline
 asm, takes plain ops that give the same values (:func:`fp4_value`). :func:`decode_nvfp4` writes the same values
-out as a bf16 tensor, for the shapes where a bf16 GEMM over them beats decoding in the K loop.
+out as a bf16 tensor, for the operands a bf16 GEMM over them beats decoding in the K loop: NVFP4 x always (masked:
+only the rows within the counts), NVFP4 weights at prefill sizes.
 """
 
 from __future__ import annotations
@@ -95,37 +96,70 @@ def fp4_value(code, scale):
     return (h.to(tl.float32) * (scale * 16384.0)).to(tl.bfloat16)
 
 
-@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET"])
-@triton.jit(do_not_specialize=["R"])
-def _decode_kernel(q_ptr, s_ptr, out_ptr, R, K, KQ, K16, K_BUCKET, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows * K can pass 2^31
-    rmask = rows < R
+@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "MASKED"])
+@triton.jit(do_not_specialize=["R", "G", "M_MAX"])
+def _decode_kernel(q_ptr, s_ptr, out_ptr, cnt_ptr, R, K, KQ, K16, G, M_MAX, K_BUCKET, MASKED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (i, j): the j-th BLOCK_K columns of row block i. MASKED: the grid's rows are G groups of programs, and
+    the programs of group g walk its first counts[g] rows (which start at g * M_MAX) in strides, so no row past a
+    count is read or written."""
+    if MASKED:
+        split = tl.num_programs(0) // G
+        g = tl.program_id(0) // split
+        first = g.to(tl.int64) * M_MAX
+        n_rows = tl.load(cnt_ptr + g)
+        r0 = tl.program_id(0) % split * BLOCK_M
+        step = split * BLOCK_M
+    else:
+        first = tl.zeros([], dtype=tl.int64)
+        n_rows = R
+        r0 = tl.program_id(0) * BLOCK_M
+        step = tl.num_programs(0) * BLOCK_M
     qk = tl.program_id(1) * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
-    q = tl.load(q_ptr.to(tl.pointer_type(tl.int16)) + rows[:, None] * KQ + qk[None, :],
-                mask=rmask[:, None] & (qk[None, :] < KQ), other=0)
     sk = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    sb = tl.load(s_ptr + rows[:, None] * K16 + sk[None, :], mask=rmask[:, None] & (sk[None, :] < K16), other=0)
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None] * K + kk[None, :], fp4_tile(q, sb, BLOCK_M, BLOCK_K, False),
-             mask=rmask[:, None] & (kk[None, :] < K))
+    for r in range(r0, n_rows, step):
+        rm = r + tl.arange(0, BLOCK_M)
+        rmask = rm < n_rows
+        rows = first + rm  # int64: rows * K can pass 2^31
+        q = tl.load(q_ptr.to(tl.pointer_type(tl.int16)) + rows[:, None] * KQ + qk[None, :],
+                    mask=rmask[:, None] & (qk[None, :] < KQ), other=0)
+        sb = tl.load(s_ptr + rows[:, None] * K16 + sk[None, :], mask=rmask[:, None] & (sk[None, :] < K16), other=0)
+        tl.store(out_ptr + rows[:, None] * K + kk[None, :], fp4_tile(q, sb, BLOCK_M, BLOCK_K, False),
+                 mask=rmask[:, None] & (kk[None, :] < K))
 
 
-def decode_nvfp4(data: torch.Tensor, scales: torch.Tensor, shape) -> torch.Tensor:
+def decode_nvfp4(data: torch.Tensor, scales: torch.Tensor, shape, counts: torch.Tensor | None = None) -> torch.Tensor:
     """NVFP4 codes (uint8 ``[..., K/2]``) and linear E4M3 scale bytes (uint8 ``[..., K/16]``) -> bf16 ``shape``
     holding ``e2m1 * s / 256``, exactly the values :func:`fp4_tile` gives the MMA (the global scale and the 256 are
-    left to the GEMM's fp32 accumulator). Contiguous inputs, K % 16 == 0 (the GEMM launcher's checks)."""
+    left to the GEMM's fp32 accumulator). Contiguous inputs, K % 16 == 0 (the GEMM launcher's checks).
+
+    ``counts`` (masked layout, ``shape`` ``[G, M_max, K]``): only the first ``counts[g]`` rows of each group are
+    read and written; the copy's other rows are left unset."""
     K = shape[-1]
     R = data.numel() // (K // 2)
     out = torch.empty(shape, dtype=torch.bfloat16, device=data.device)
-    if R:
-        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
-        tuning.launch(_decode_kernel, grid, data, scales, out, R, K, K // 4, K // 16, tuning.size_bucket(K))
+    if not R:
+        return out
+    masked = counts is not None
+    G, m_max = (shape[0], shape[1]) if masked else (1, R)
+
+    def row_programs(meta):  # masked: a few programs per group, enough for every SM, each walking row blocks
+        blocks = triton.cdiv(m_max, meta["BLOCK_M"])
+        if not masked:
+            return blocks
+        return G * min(blocks, max(1, 4 * tuning.sm_count() // (G * triton.cdiv(K, meta["BLOCK_K"]))))
+
+    grid = lambda meta: (row_programs(meta), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+    tuning.launch(_decode_kernel, grid, data, scales, out, counts if masked else data, R, K, K // 4, K // 16, G, m_max,
+                  tuning.size_bucket(K), masked)
     return out
 
 
 def _compile_checks():
     """(kernel, signature, constexprs) for tests/test_compile.py (sm_90 / sm_100 builds); the decode functions
     inside the GEMM are built by grouped_gemm's checks."""
-    sig = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16",
-           **{a: "i32" for a in ("R", "K", "KQ", "K16", "K_BUCKET")}}
-    return [(_decode_kernel.fn, sig, {"BLOCK_M": bm, "BLOCK_K": bk}) for bm, bk in ((16, 512), (64, 128))]
+    sig = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "cnt_ptr": "*i32",
+           **{a: "i32" for a in ("R", "K", "KQ", "K16", "G", "M_MAX", "K_BUCKET")}, "MASKED": "constexpr"}
+    return [(_decode_kernel.fn, sig, {"MASKED": masked, "BLOCK_M": bm, "BLOCK_K": bk})
+            for masked, bm, bk in ((False, 16, 512), (True, 64, 128))]

@@ -10,22 +10,22 @@ row, so one dot per K step covers both. A masked layout whose row capacity would
 rounds of what fits on the GPU uses a persistent grid instead: program p takes tiles p, p + P, ... of the same
 device-side tile count (:func:`_persistent`), so capacity past the counts launches nothing.
 
-NVFP4 operands are decoded in registers to bf16 (an E2M1 value times an E4M3 scale is exact in bf16) and
-fed to bf16 ``tl.dot``; the fp32 global scales are applied to the fp32 accumulator. NVFP4 weights (the
-decode-time bound: instructions, not bytes) are read as int16 words of 4 codes and decoded in registers
-(``fp4_mma.py``: 3 integer ops and one bf16x2 fma per register pair); with K permuted those registers are wgmma's
-register operand as they are (swapped), with no shuffles, and each thread reads whole vectors of words and 2 scales
-per row. x follows the permutation in registers on its way to shared memory. At prefill sizes
-(``tuning.DECODED_MIN_M`` tokens per expert and up) NVFP4 operands are instead decoded once into transient bf16
-copies of the same values (``fp4_mma.decode_nvfp4``; x only in the ragged layout) and run bf16 tiles, the global
-scales applied to the fp32 sums as before. (``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes
-Triton 3.6's compiler on Hopper; the register path is what runs on Blackwell too.)
+NVFP4 operands are decoded to bf16 (an E2M1 value times an E4M3 scale is exact in bf16) and fed to bf16 ``tl.dot``;
+the fp32 global scales are applied to the fp32 accumulator. NVFP4 x is decoded once into a transient bf16 copy
+(``fp4_mma.decode_nvfp4``; in the masked layout only the rows within the counts) before every GEMM: x is small, and
+every column tile reads it. NVFP4 weights below prefill sizes (the decode-time bound: instructions, not bytes) are
+read as int16 words of 4 codes and decoded in registers (``fp4_mma.py``: 3 integer ops and one bf16x2 fma per
+register pair); with K permuted those registers are wgmma's register operand as they are (swapped), with no
+shuffles, and each thread reads whole vectors of words and 2 scales per row. x follows the permutation in registers
+on its way to shared memory. From ``tuning.DECODED_MIN_M`` tokens per expert on, weights are decoded into a bf16
+copy too, and bf16 tiles run. (``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes Triton 3.6's
+compiler on Hopper; the register path is what runs on Blackwell too.)
 
 Decode shapes mostly swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
 BLOCK_N weight rows fill its M slot; their row tiles are up to twice the mean tokens per expert, so that an expert's
 routed rows take one pass over its weights (``tuning.prune_grouped_gemm_configs``).
 
-Prefill shapes with bf16 operands in the ragged layout also have TMA configs (``TMA: True``; Hopper and newer):
+Prefill shapes with bf16 weights in the ragged layout also have TMA configs (``TMA: True``; Hopper and newer):
 x and weight tiles come by tensor descriptors instead of per-thread pointer loads, gate and up tiles are two
 loads into two accumulators, and a persistent grid of as many programs as fit on the GPU walks the device-side
 tile count (:func:`_tma_tiles`), so a program's next tile starts without a new launch wave. On the H200 this is
@@ -49,8 +49,8 @@ from ..triton_runtime import device as kernel_device
 from . import tuning
 from .chain import Link, allow_dependents, dependent_launch_supported, expert_ready, finish_dependent, tile_done
 from .chain import enabled as chain_enabled
-from .fp4_mma import decode_nvfp4, dot_k_order, fp4_tile, fp4_value
-from .nvfp4 import NvFp4Tensor, e4m3_values_of_bytes
+from .fp4_mma import decode_nvfp4, dot_k_order, fp4_tile
+from .nvfp4 import NvFp4Tensor
 from .tile_schedule import expert_row_tiles, group_order, row_tile_slots, tile_expert, tile_slots
 
 
@@ -94,28 +94,11 @@ def _load_k(ptrs, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_x_fp4(x_ptr, xs_ptr, xrow, kk, K, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
-    """NVFP4 x at columns kk -> bf16 [rows, k] ([k, rows] when swapped). Each element loads its own byte and
-    scale (x is the small operand; repeated addresses hit L1): no nibble interleave or scale broadcast through
-    shared memory."""
-    r = _as_rows(xrow, SWAP_AB)
+def _load_x_cols(x_ptr, xrow, kk, K, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """x at columns kk: [rows, len(kk)], or [len(kk), rows] when swapped (so no transpose is needed before the MMA,
+    where x is the second operand)."""
     k = _as_cols(kk, SWAP_AB)
-    b = _load_k(x_ptr + r * (K // 2) + k // 2, k, K, EVEN_K).to(tl.int32)
-    sb = _load_k(xs_ptr + r * (K // 16) + k // 16, k, K, EVEN_K).to(tl.int32)
-    s_val, _ = e4m3_values_of_bytes(sb)
-    return fp4_value((b >> ((k & 1) * 4)) & 0xF, s_val)
-
-
-@triton.jit
-def _load_x_cols(x_ptr, xs_ptr, xrow, kk, K, X_FP4: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
-    """x at columns kk as bf16: [rows, len(kk)], or [len(kk), rows] when swapped (so no transpose is needed
-    before the MMA, where x is the second operand)."""
-    if X_FP4:
-        xt = _load_x_fp4(x_ptr, xs_ptr, xrow, kk, K, SWAP_AB, EVEN_K)
-    else:
-        k = _as_cols(kk, SWAP_AB)
-        xt = _load_k(x_ptr + _as_rows(xrow, SWAP_AB) * K + k, k, K, EVEN_K)
-    return xt
+    return _load_k(x_ptr + _as_rows(xrow, SWAP_AB) * K + k, k, K, EVEN_K)
 
 
 @triton.jit
@@ -144,15 +127,9 @@ def _global_scale(acc, acc_up, wgs_ptr, g):
 
 
 @triton.jit
-def _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, DECODED: tl.constexpr, SWAP_AB: tl.constexpr):
-    """NVFP4 x's global scale (one, or one per row): x tiles decoded in the K loop hold e2m1 * s, a decoded copy
-    e2m1 * s / 256."""
-    gs = tl.load(xgs_ptr + x_rows * XGS_STRIDE)
-    if DECODED:
-        inv = 256.0 / gs
-    else:
-        inv = 1.0 / gs
-    inv = _as_rows(inv, SWAP_AB)
+def _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, SWAP_AB: tl.constexpr):
+    """NVFP4 x's global scale (one, or one per row): its decoded copy holds e2m1 * s / 256."""
+    inv = _as_rows(256.0 / tl.load(xgs_ptr + x_rows * XGS_STRIDE), SWAP_AB)
     return acc * inv, acc_up * inv
 
 
@@ -199,18 +176,18 @@ def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, rs_ptr, cn
         if W_DECODED:
             acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
         if X_DECODED:
-            acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, True, False)
+            acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, False)
         _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU, HAS_RS,
                      False)
 
 
 @triton.jit
-def _pointer_tiles(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr,
-                   WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED: tl.constexpr, X_FP4: tl.constexpr,
-                   W_FP4: tl.constexpr, X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, SWIGLU: tl.constexpr,
-                   HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                   SIGNAL: tl.constexpr, WAIT: tl.constexpr, PERSISTENT: tl.constexpr):
+def _pointer_tiles(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr, WAIT_BM,
+                   WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED: tl.constexpr, W_FP4: tl.constexpr,
+                   X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SIGNAL: tl.constexpr,
+                   WAIT: tl.constexpr, PERSISTENT: tl.constexpr):
     """Output tiles from pointer loads (any operand format; pipelined by Triton): one tile per program, or with
     PERSISTENT a fixed grid whose program p takes tiles p, p + P, ... of the device-side tile count (P = the grid),
     so that a masked layout's row capacity past the counts launches no programs."""
@@ -221,26 +198,26 @@ def _pointer_tiles(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, o
         for t_lin in tl.range(tl.program_id(0), tiles_m * n_tiles, tl.num_programs(0)):
             t, pid_n = group_order(t_lin, tiles_m, n_tiles, GROUP_M)
             g, tile, count, row0 = tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
-            _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr,
-                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, X_DECODED,
-                          W_DECODED, SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
+            _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM,
+                          WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4, X_DECODED, W_DECODED,
+                          SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
     else:
         t, pid_n = group_order(tl.program_id(0), row_tile_slots(G, M_MAX, S, RAGGED, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                GROUP_M)
         tiles, ends, cnt, lo = expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
         if t < tl.sum(tiles):
             g, tile, count, row0 = tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
-            _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr,
-                          WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4, W_FP4, X_DECODED,
-                          W_DECODED, SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
+            _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM,
+                          WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4, X_DECODED, W_DECODED,
+                          SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
 
 
 @triton.jit
-def _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM,
-                  WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, X_FP4: tl.constexpr, W_FP4: tl.constexpr,
-                  X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-                  EVEN_K: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr):
+def _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM, WAIT_NT,
+                  N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4: tl.constexpr, X_DECODED: tl.constexpr,
+                  W_DECODED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+                  SIGNAL: tl.constexpr, WAIT: tl.constexpr):
     """Output tile (row tile ``tile`` of expert g, whose ``count`` rows start at ``row0``; column tile pid_n)."""
     rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rm < count
@@ -263,7 +240,7 @@ def _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, ou
     else:
         acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xt = _load_x_cols(x_ptr, xs_ptr, x_rows, k0 + tl.arange(0, BLOCK_K), K, X_FP4, SWAP_AB, EVEN_K)
+        xt = _load_x_cols(x_ptr, x_rows, k0 + tl.arange(0, BLOCK_K), K, SWAP_AB, EVEN_K)
         if W_FP4 and SWAP_AB:
             xt = dot_k_order(xt, BLOCK_K, True)
         acc = _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4, SWAP_AB, EVEN_K, R, BLOCK_K)
@@ -277,8 +254,8 @@ def _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, ou
 
     if W_FP4 or W_DECODED:
         acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
-    if X_FP4 or X_DECODED:
-        acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, X_DECODED, SWAP_AB)
+    if X_DECODED:
+        acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, SWAP_AB)
     if WAIT:
         rmask = rmask & ready
     _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, xrow, rn, rmask, nmask, N, SWIGLU, HAS_RS, SWAP_AB)
@@ -290,7 +267,7 @@ def _pointer_tile(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, ou
 # not specialized on their divisibility, so varying token counts reuse one compiled variant
 @triton.jit(do_not_specialize=["G", "M_MAX", "S", "M_BUCKET", "XGS_STRIDE", "WAIT_BM", "WAIT_NT"])
 def _grouped_gemm_kernel(
-        x_ptr, xs_ptr, xgs_ptr,  # x: bf16 [rows, K] or packed uint8 [rows, K/2] + e4m3 bytes [rows, K/16] + fp32 gs
+        x_ptr, xgs_ptr,  # x: bf16 [rows, K]; X_DECODED: NVFP4 x's decoded copy, and its fp32 global scale(s)
         XGS_STRIDE,  # 0: one global scale for x; 1: one per row (tokens keep their source rank's scale)
         w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]
         out_ptr, rs_ptr,  # out bf16 [rows, N]; row scale fp32 [rows]
@@ -300,7 +277,7 @@ def _grouped_gemm_kernel(
         G, M_MAX, N, K, S,
         KQ, K16,  # K // 4, K // 16: own arguments so Triton specializes them as multiples of 16 (aligned NVFP4 rows)
         M_BUCKET,  # autotune key only
-        RAGGED: tl.constexpr, X_FP4: tl.constexpr, W_FP4: tl.constexpr,
+        RAGGED: tl.constexpr, W_FP4: tl.constexpr,
         X_DECODED: tl.constexpr, W_DECODED: tl.constexpr,  # bf16 copies of NVFP4 x / w (fp4_mma.decode_nvfp4)
         SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -312,8 +289,8 @@ def _grouped_gemm_kernel(
         _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGGED,
                    SWIGLU, HAS_RS, X_DECODED, W_DECODED, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
-        _pointer_tiles(x_ptr, xs_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr,
-                       WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, X_FP4, W_FP4, X_DECODED, W_DECODED,
+        _pointer_tiles(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr, WAIT_BM,
+                       WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, W_FP4, X_DECODED, W_DECODED,
                        SWIGLU, HAS_RS, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K, SIGNAL, WAIT,
                        PERSISTENT)
     finish_dependent(PDL, WAIT)
@@ -330,7 +307,7 @@ def _persistent(a) -> bool:
     return slots > tuning.persistent_programs(a, a["SWIGLU"])
 
 
-_KEY = ["M_BUCKET", "N", "K", "RAGGED", "X_FP4", "W_FP4", "SWIGLU", "HAS_RS"]
+_KEY = ["M_BUCKET", "N", "K", "RAGGED", "W_FP4", "SWIGLU", "HAS_RS"]
 _launch = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
                              "PERSISTENT": lambda a: _persistent(a)})(_grouped_gemm_kernel)
 _autotuned = triton.autotune(configs=tuning.grouped_gemm_configs(), key=_KEY,
@@ -392,9 +369,9 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
     ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales; one global scale, or one per row as
     received NVFP4 tokens carry their source rank's). ``w``: bf16 ``[G, N, K]``,
     or an NvFp4Tensor of that shape (linear scales, global scale ``[G]``, one per expert). K % 16 == 0.
-    NVFP4 operands from 512 tokens per expert on (``$MOE_EP_DECODED_MIN_M``: another bucket, or off) are decoded into
-    transient bf16 copies (as large as bf16 operands; x only when ragged) and multiplied as bf16: faster there than
-    decoding per tile.
+    NVFP4 x is decoded into a transient bf16 copy first (as large as bf16 x; masked: only the rows within the
+    counts are decoded), and so are NVFP4 weights from 512 tokens per expert on (``$MOE_EP_DECODED_MIN_M``: another
+    bucket, or off); the GEMM then multiplies bf16 tiles: faster than decoding in every tile that reads them.
     ``swiglu``: w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
     ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
     per row of x (``[G, M_max]`` / ``[S]``), applied to the output row (the routing weight).
@@ -457,21 +434,18 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
 
     m = _tokens_per_expert(xshape, ragged, G, m_hint)
     xgs_stride = int(x_fp4 and xgs.numel() > 1)  # per-row global scales (received NVFP4 tokens)
-    # NVFP4 operands at prefill sizes: decoded once into transient bf16 copies, then bf16 tiles (TMA where possible).
-    # Decoding in the K loop redoes it for every tile that reads the operand and, unswapped, sends the decoded weight
-    # tile through shared memory: on the H200 at 1024 tokens per expert 1.3x slower for NVFP4 weights, 8x for NVFP4 x
-    # (docs/PERF.md). Not x in the masked layout: its copy would read the rows past the counts.
-    prefill = tuning.m_bucket(m) >= tuning.decoded_min_m()
-    x_dec, w_dec = x_fp4 and ragged and prefill, w_fp4 and prefill
+    # NVFP4 x is always decoded once into a transient bf16 copy (masked: only the rows within the counts), then bf16
+    # tiles: decoding it in the K loop redid it for every column tile, 1.1-12x slower on the H200 (docs/PERF.md).
+    # NVFP4 weights likewise at prefill sizes; below them decoding the weight tile in registers streams 4x fewer bytes.
+    x_dec, w_dec = x_fp4, w_fp4 and tuning.m_bucket(m) >= tuning.decoded_min_m()
     if x_dec:
-        xd, x_fp4 = decode_nvfp4(xd, xs, xshape), False
+        xd = decode_nvfp4(xd, xs, xshape, None if ragged else idx)
     if w_dec:
         wd, w_fp4 = decode_nvfp4(wd, ws, wshape), False
-    # TMA configs (ragged prefill shapes, bf16 operands, a GPU with the tensor memory accelerator) take descriptors
+    # TMA configs (ragged prefill shapes, bf16 weights, a GPU with the tensor memory accelerator) take descriptors
     # over x and w as 2-D tensors, their tile shapes set per config (tuning.set_tma_blocks); none are made for decode
     # calls. Not masked: a TMA box would read an expert's padding rows, which that layout never touches.
-    tma = (ragged and not x_fp4 and not w_fp4 and tuning.m_bucket(m) > tuning.DECODE_MAX_M
-           and tuning.tma_supported())
+    tma = ragged and not w_fp4 and tuning.m_bucket(m) > tuning.DECODE_MAX_M and tuning.tma_supported()
     if tma:  # descriptor bases must be 16-byte aligned (rows are: K % 16 == 0); a view at an odd offset is copied
         xd = xd if xd.data_ptr() % 16 == 0 else xd.clone()
         wd = wd if wd.data_ptr() % 16 == 0 else wd.clone()
@@ -481,8 +455,8 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
                 TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32]))
 
     dummy = xd
-    args = (xd, xs if x_fp4 else dummy, xgs if x_fp4 or x_dec else dummy, xgs_stride, wd, ws if w_fp4 else dummy,
-            wgs if w_fp4 or w_dec else dummy, out, row_scale if row_scale is not None else dummy, idx)
+    args = (xd, xgs if x_dec else dummy, xgs_stride, wd, ws if w_fp4 else dummy, wgs if w_fp4 or w_dec else dummy, out,
+            row_scale if row_scale is not None else dummy, idx)
 
     def programs(meta):  # one per tile slot; persistent grids: TMA configs as many as fit on the GPU at once,
         # PERSISTENT pointer-load launches (masked, a large row capacity) PERSISTENT_ROUNDS times that
@@ -493,7 +467,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
             bound = min(bound, tuning.persistent_programs(meta, bool(swiglu)))
         return (bound,)
 
-    flags = dict(RAGGED=ragged, X_FP4=x_fp4, W_FP4=w_fp4, X_DECODED=x_dec, W_DECODED=w_dec, SWIGLU=bool(swiglu),
+    flags = dict(RAGGED=ragged, W_FP4=w_fp4, X_DECODED=x_dec, W_DECODED=w_dec, SWIGLU=bool(swiglu),
                  HAS_RS=row_scale is not None, BLOCK_G=max(triton.next_power_of_2(G), 2), SIGNAL=False, WAIT=False,
                  PDL=False)
     chain_args = (idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
@@ -504,7 +478,7 @@ def _gemm(x, w, counts, offsets, swiglu, row_scale, out, m_hint, link: Link | No
         flags.update(SIGNAL=link.wait is None, WAIT=link.wait is not None, PDL=link.pdl)
         link.launched = args
     tail = (*chain_args, G, M_max, N, K, S, K // 4, K // 16, tuning.m_bucket(m))
-    tuned, source = tuning.tuned_gemm_config(N, K, m, x_fp4, w_fp4, bool(swiglu)), "tuned-file"
+    tuned, source = tuning.tuned_gemm_config(N, K, m, w_fp4, bool(swiglu)), "tuned-file"
     if tuned is None and tuning.search_off():
         tuned, source = tuning.first_gemm_config(N, K, m, G, w_fp4, bool(swiglu)), "first-config"
     if tuned is not None:
@@ -583,24 +557,21 @@ def _compile_checks():
     for ``tests/test_compile.py`` (``triton.compile`` for sm_90 / sm_100 without the interpreter)."""
     checks = []
     for ragged in (False, True):
-        for x_fp4 in (False, True):
+        for x_dec in (False, True):
             for w_fp4 in (False, True):
                 for swiglu, has_rs in ((True, False), (False, True)):
                     for swap, tma in ((True, False), (False, False), (False, True)):
-                        if tma and (x_fp4 or w_fp4 or not ragged):
+                        if tma and (w_fp4 or not ragged):
                             continue
-                        sig = {"x_ptr": "*u8" if x_fp4 else "*bf16", "xs_ptr": "*u8", "xgs_ptr": "*fp32",
-                               "XGS_STRIDE": "i32",
+                        sig = {"x_ptr": "*bf16", "xgs_ptr": "*fp32", "XGS_STRIDE": "i32",
                                "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
                                "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
                                "x_desc": "tensordesc<bf16[128, 64]>", "w_desc": "tensordesc<bf16[128, 64]>",
                                "ready_ptr": "*i32", "WAIT_BM": "i32", "WAIT_NT": "i32",
                                "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "S": "i32", "KQ": "i32",
                                "K16": "i32", "M_BUCKET": "i32"}
-                        const = {"RAGGED": ragged, "X_FP4": x_fp4, "W_FP4": w_fp4, "SWIGLU": swiglu,
-                                 "HAS_RS": has_rs, "BLOCK_G": 32,
-                                 "X_DECODED": ragged and not (x_fp4 or w_fp4 or swiglu),  # decoded NVFP4 copies
-                                 "W_DECODED": not (x_fp4 or w_fp4 or swiglu),
+                        const = {"RAGGED": ragged, "W_FP4": w_fp4, "SWIGLU": swiglu, "HAS_RS": has_rs, "BLOCK_G": 32,
+                                 "X_DECODED": x_dec, "W_DECODED": not (w_fp4 or swiglu),  # decoded NVFP4 copies
                                  "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
                                  "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8, "TMA": tma,
                                  "EVEN_K": ragged,  # both load paths, over the variants

@@ -47,7 +47,7 @@ QUICK_ENV = "MOE_EP_AUTOTUNE_QUICK"  # set: search at most 3 configs per shape c
 SEARCH_ENV = "MOE_EP_AUTOTUNE"  # "off": no config search, first configs untimed (fuzzing: see launch())
 DECODE_MAX_M = 32  # tokens per expert up to this are "decode": weight-streaming tiles (see prune_grouped_gemm_configs)
 PERSISTENT_ROUNDS = 8  # persistent pointer-load grids (masked layouts): this many times the programs that fit at once
-DECODED_MIN_M = 512  # from this bucket on NVFP4 operands are decoded to bf16 copies once, then bf16 tiles
+DECODED_MIN_M = 512  # from this bucket on NVFP4 weights are decoded to bf16 copies once, then bf16 tiles (x: always)
 DECODED_ENV = "MOE_EP_DECODED_MIN_M"  # overrides DECODED_MIN_M: tokens per expert, or "off"
 FP4_SWAP_MAX_M = 128  # NVFP4 weights may stay swapped up to here: decoded straight into wgmma's register operand
 
@@ -198,9 +198,9 @@ def search_off() -> bool:
 
 
 def decoded_min_m() -> float:
-    """Tokens per expert from which the grouped GEMM decodes NVFP4 operands into bf16 copies before multiplying:
+    """Tokens per expert from which the grouped GEMM decodes NVFP4 weights into bf16 copies before multiplying:
     ``$MOE_EP_DECODED_MIN_M`` (a positive integer, or "off": never, for a tight memory budget, since the copies are
-    as large as bf16 operands), else :data:`DECODED_MIN_M`."""
+    as large as bf16 weights), else :data:`DECODED_MIN_M`. (NVFP4 x is decoded at every size: it is small.)"""
     text = os.environ.get(DECODED_ENV, "").strip().lower()
     if not text:
         return DECODED_MIN_M
@@ -236,9 +236,10 @@ def first_gemm_config(n: int, k: int, m: int, groups: int, w_fp4: bool, swiglu: 
                                                                          "G": groups}, SWIGLU=swiglu, W_FP4=w_fp4)[0])
 
 
-def shape_class(n: int, k: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> str:
-    """The tuned-config file key of a GEMM shape (tokens-per-expert bucket is the inner key)."""
-    return f"n{n}_k{k}_x{'nvfp4' if x_fp4 else 'bf16'}_w{'nvfp4' if w_fp4 else 'bf16'}{'_swiglu' if swiglu else ''}"
+def shape_class(n: int, k: int, w_fp4: bool, swiglu: bool) -> str:
+    """The tuned-config file key of a GEMM shape (tokens-per-expert bucket is the inner key). x is always bf16 in the
+    GEMM (NVFP4 x is decoded to a bf16 copy first); the key still names it, as the files always have."""
+    return f"n{n}_k{k}_xbf16_w{'nvfp4' if w_fp4 else 'bf16'}{'_swiglu' if swiglu else ''}"
 
 
 def device_name() -> str:
@@ -296,17 +297,17 @@ def _validate(cfg, where: str) -> dict:
             "num_warps": int(cfg["num_warps"]), "num_stages": int(cfg["num_stages"])}
 
 
-def tuned_gemm_config(n: int, k: int, m: int, x_fp4: bool, w_fp4: bool, swiglu: bool) -> dict | None:
+def tuned_gemm_config(n: int, k: int, m: int, w_fp4: bool, swiglu: bool) -> dict | None:
     """The tuned config for this shape from ``<dir>/<device_name>.json``, or None (then autotune).
 
     File format (vLLM style): ``{shape_class: {"<tokens-per-expert bucket>": {BLOCK_M, BLOCK_N, BLOCK_K,
     SWAP_AB, GROUP_M, num_warps, num_stages[, TMA]}}}``; the nearest bucket present is used, nearest by ratio
     (with buckets 16 and 1024, 256 tokens per expert take the 1024 config, not the 16-token decode one).
     TMA (optional, default false): bf16 tiles loaded by tensor descriptors on a persistent grid; where TMA cannot
-    run (NVFP4 operands, the masked layout, decode buckets, a GPU older than Hopper) the same tiles go through
+    run (NVFP4 weights, the masked layout, decode buckets, a GPU older than Hopper) the same tiles go through
     pointer loads.
     """
-    key, want = shape_class(n, k, x_fp4, w_fp4, swiglu), m_bucket(m)
+    key, want = shape_class(n, k, w_fp4, swiglu), m_bucket(m)
     for d in config_dirs():
         path = os.path.join(d, device_name() + ".json")
         try:
