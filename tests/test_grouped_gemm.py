@@ -266,6 +266,50 @@ def test_masked_persistent_grid_matches_one_program_per_tile(dev, monkeypatch, w
     assert torch.equal(outs[0][valid], outs[1][valid])
 
 
+_SPACE = [tuning.config_dict(c) for c in tuning.grouped_gemm_configs()]
+# (weights, x, swiglu (else a row scale), layout, persistent grid): each flag both ways over the four cases
+_SPACE_CASES = [("nvfp4", "nvfp4_rows", True, "masked", True), ("bf16", "bf16", False, "ragged", False),
+                ("nvfp4", "bf16", False, "masked", False), ("bf16", "nvfp4", True, "ragged", False)]
+
+
+@pytest.mark.parametrize("i", range(len(_SPACE)), ids=[f"config{i}" for i in range(len(_SPACE))])
+def test_every_config_of_the_space_matches_reference(dev, monkeypatch, i):
+    """Each config the autotuner or a tuned file may pick (the whole space on a GPU, the interpreter's on the CPU),
+    forced, against the reference: odd N and K, an empty expert, masked rows never written, NVFP4 operands, both grids.
+    A case too large for this GPU's shared memory is left out."""
+    cfg = _SPACE[i]
+    monkeypatch.setattr(tuning, "tuned_gemm_config", lambda *a, **k: dict(cfg))
+    G, M, K, N = (5, 160, 576, 200) if dev.type == "cuda" else (3, 40, 96, 40)
+    counts = torch.tensor([37, 0, M, 3, 90][:G], device=dev).clamp(max=M)
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    valid = torch.arange(M, device=dev)[None, :] < counts[:, None]
+    gen = torch.Generator().manual_seed(i)
+    x3 = torch.randn(G, M, K, generator=gen).bfloat16().to(dev)
+    ran = 0
+    for w_fmt, x_fmt, swiglu, layout, persistent in _SPACE_CASES:
+        monkeypatch.setattr(gg, "_persistent", lambda a, p=persistent: p)
+        monkeypatch.setattr(tuning, "persistent_programs", lambda meta, sw: 3)  # several tiles per program
+        w, wr = gemm_operand((torch.randn(G, 2 * N if swiglu else N, K, generator=gen) * 0.1).bfloat16().to(dev), w_fmt,
+                             per_slice=True)
+        x = x3 if layout == "masked" else x3[valid]
+        xk, xr = gemm_operand(x, x_fmt)
+        rs = None if swiglu else torch.rand(x.shape[:-1], generator=gen).to(dev)
+        idx = dict(counts=counts) if layout == "masked" else dict(offsets=offsets)
+        out = torch.full((*x.shape[:-1], N), float("nan"), dtype=torch.bfloat16, device=dev)
+        try:
+            grouped_gemm(xk, w, **idx, swiglu=swiglu, row_scale=rs, out=out, m_hint=64)
+        except Exception as e:  # noqa: BLE001  (bf16 weight tiles are 4x NVFP4's: some configs fit NVFP4 only)
+            if type(e).__name__ == "OutOfResources":
+                continue
+            raise
+        ref = grouped_gemm_ref(xr, wr, **idx, swiglu=swiglu, row_scale=rs)
+        _assert_close(out, ref, valid if layout == "masked" else torch.ones(len(x), dtype=torch.bool, device=dev),
+                      GEMM_TOL)
+        ran += 1
+    if not ran:
+        pytest.skip(f"{cfg} does not fit this GPU's shared memory")
+
+
 def test_masked_rows_never_written_without_out(dev):
     """Without out=, rows past the counts of a fresh torch.empty output are whatever was there (not zeroed)."""
     G, M, K, N = 2, 8, 32, 32
