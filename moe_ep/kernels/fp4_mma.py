@@ -159,7 +159,8 @@ def decode_nvfp4(data: torch.Tensor, scales: torch.Tensor, shape, counts: torch.
 def _compile_checks():
     """(kernel, signature, constexprs) for tests/test_compile.py (sm_90 / sm_100 builds); the decode functions
     inside the GEMM are built by grouped_gemm's checks."""
-    sig = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "cnt_ptr": "*i32",
-           **{a: "i32" for a in ("R", "K", "KQ", "K16", "G", "M_MAX", "K_BUCKET")}, "MASKED": "constexpr"}
-    return [(_decode_kernel.fn, sig, {"MASKED": masked, "BLOCK_M": bm, "BLOCK_K": bk})
-            for masked, bm, bk in ((False, 16, 512), (True, 64, 128))]
+    def sig(cnt):  # in argument order
+        return {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "cnt_ptr": cnt,
+                **{a: "i32" for a in ("R", "K", "KQ", "K16", "G", "M_MAX", "K_BUCKET")}, "MASKED": "constexpr"}
+    return [(_decode_kernel.fn, sig(cnt), {"MASKED": masked, "BLOCK_M": bm, "BLOCK_K": bk})  # counts: int32 or int64
+            for masked, cnt, bm, bk in ((False, "*u8", 16, 512), (True, "*i32", 64, 128), (True, "*i64", 16, 512))]
