@@ -4,10 +4,10 @@ Each row: a model's local experts at a number of tokens per expert, ragged layou
 offsets). Every expert gets exactly that many rows; rows of up to 128 tokens per expert are also timed with the
 same rows spread as routing spreads them ("routed": counts vary around the mean, which is what a model's router
 gives, ours and torch's alike), and in the masked layout. Columns: our time with bf16 weights and with NVFP4
-weights (for decode rows also with the GEMM1 -> GEMM2 chain off), with NVFP4 x and weights, torch._grouped_mm (bf16, two GEMMs + silu*mul)
-in the same process, the time a plain streaming-read kernel takes to read the bf16 weights once (the practical
-byte ceiling), the byte floor (weight bytes / 4.8 TB/s), the FLOP floor (/ 795 TFLOP/s), and the relative error
-against the torch peer.
+weights (for decode rows also with the GEMM1 -> GEMM2 chain off), with NVFP4 x and weights, torch._grouped_mm
+(bf16, two GEMMs + silu*mul) in the same process, the time a plain streaming-read kernel takes to read the bf16
+weights once (the practical byte ceiling), the byte floor (weight bytes / 4.8 TB/s), the FLOP floor (/ 795
+TFLOP/s), and the relative error against the torch peer.
 Autotunes first (printing the winning configs); ``--write-configs DIR`` saves the winners as a tuned-config
 file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 

@@ -158,7 +158,7 @@ def test_decode_nvfp4_masked_rows(dev, monkeypatch, K):
 
 
 def test_decoded_min_m_from_the_environment(dev, monkeypatch):
-    """$MOE_EP_DECODED_MIN_M moves the bucket from which NVFP4 operands are decoded first, or turns it off; anything
+    """$MOE_EP_DECODED_MIN_M moves the bucket from which NVFP4 weights are decoded first, or turns it off; anything
     else is a named configuration error."""
     monkeypatch.setenv(tuning.SEARCH_ENV, "off")
     x = torch.randn(5, 32).bfloat16().to(dev)
