@@ -97,7 +97,8 @@ def expert_counts(draw, G: int, max_rows: int) -> list[int]:
 def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
     """A grouped GEMM (or, with ``mlp``, expert MLP) problem: experts, sizes, per-expert counts, layout
     (masked or ragged), operand formats, SwiGLU / row-scale epilogues, padding rows, value scale, and the
-    tokens-per-expert hint that picks the tiles (at ``DECODED_MIN_M``, NVFP4 operands are decoded to bf16 first)."""
+    tokens-per-expert hint that picks the tiles (at ``DECODED_MIN_M``, NVFP4 weights are decoded to bf16 first, as
+    NVFP4 x always is)."""
     from .kernels.tuning import DECODED_MIN_M
     G = draw(st.integers(1, b.experts))
     return dict(
