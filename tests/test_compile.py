@@ -28,14 +28,65 @@ for fn, sig, constexprs in checks:
 print(f"{len(checks)} variants compiled for sm_{cc}")
 """
 
+# Every config of the grouped GEMM's GPU space, built as a launch builds it (16-byte aligned pointers and strides:
+# that is what lets Triton pipeline the loads through shared memory), against tuning.smem_bytes, the estimate the
+# autotune prune drops configs by. Formats and epilogues rotate over the configs.
+SMEM_SCRIPT = r"""
+import importlib, sys
+import moe_ep
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_ep.kernels import tuning
+gg = importlib.import_module("moe_ep.kernels.grouped_gemm")
+cc = int(sys.argv[1])
+kernel, base_sig, base_const = gg._compile_checks()[0]
+aligned = ["x_ptr", "xgs_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "rs_ptr", "cnt_ptr", "ready_ptr", "N", "K",
+           "KQ", "K16"]
+worst = 0.0
+for i, c in enumerate(tuning.grouped_gemm_configs()):
+    kw = c.kwargs
+    w_fp4, swiglu = (False, i % 2 == 0) if kw["TMA"] else (i % 4 >= 2, i % 2 == 0)
+    sig, const = dict(base_sig), dict(base_const)
+    sig["w_ptr"] = "*u8" if w_fp4 else "*bf16"
+    const.update(RAGGED=True, W_FP4=w_fp4, SWIGLU=swiglu, HAS_RS=not swiglu, X_DECODED=False, W_DECODED=False,
+                 EVEN_K=True, PERSISTENT=False, SIGNAL=False, WAIT=False, PDL=False,
+                 **{k: kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA")})
+    for name in ("x_desc", "w_desc"):
+        const.pop(name, None)
+    if kw["TMA"]:
+        sig["x_desc"] = f"tensordesc<bf16[{kw['BLOCK_M']}, {kw['BLOCK_K']}]>"
+        sig["w_desc"] = f"tensordesc<bf16[{kw['BLOCK_N']}, {kw['BLOCK_K']}]>"
+    else:
+        const.update(x_desc=None, w_desc=None)
+    sig.update({name: "constexpr" for name in const})
+    attrs = {(kernel.arg_names.index(a), ): [["tt.divisibility", 16]] for a in aligned}
+    k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", cc, 32),
+                       options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
+    est, real = tuning.smem_bytes({**kw, "num_stages": c.num_stages}, swiglu, w_fp4), k.metadata.shared
+    assert real <= est <= 1.35 * real + tuning.SMEM_SLACK, (kw, c.num_stages, w_fp4, swiglu, real, est)
+    worst = max(worst, est / real)
+print(f"smem estimate: {i + 1} configs within it, at most {worst:.2f}x the compiled size")
+"""
+
+
+def _run(script, *argv):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
 
 @pytest.mark.parametrize("cc", [90, 100], ids=["sm_90", "sm_100"])
 @pytest.mark.parametrize("module", KERNEL_MODULES)
 def test_kernels_compile_for_sm90_and_sm100(module, cc):
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, module, str(cc)], env=env, capture_output=True, text=True,
-                       timeout=1200)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "compiled" in r.stdout
+    assert "compiled" in _run(SCRIPT, module, str(cc))
+
+
+@pytest.mark.parametrize("cc", [90, 100], ids=["sm_90", "sm_100"])
+def test_smem_estimate_bounds_every_config_of_the_space(cc):
+    """tuning.smem_bytes is at least what each config's build takes (so a pruned list only holds configs that fit)
+    and not far above it (so the prune does not drop configs that would fit)."""
+    assert "within it" in _run(SMEM_SCRIPT, str(cc))

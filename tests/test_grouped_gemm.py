@@ -345,6 +345,35 @@ def test_decode_tiles_take_twice_the_mean_rows(monkeypatch, m, tallest, orders):
     assert tuning.m_bucket(m) == m and tuning.m_bucket(1) == 8 and tuning.m_bucket(9) == 16
 
 
+# (N, K, SwiGLU) of the benchmark models' GEMMs: DeepSeek-V3 EP8, Qwen3-30B-A3B, Mixtral 8x7B
+_MODEL_GEMMS = [(2048, 7168, True), (7168, 2048, False), (768, 2048, True), (2048, 768, False), (14336, 4096, True),
+                (4096, 14336, False)]
+
+
+@pytest.mark.parametrize("limit", [232448, 166912, 101376],
+                         ids=["227KB-H100-H200-B200", "163KB-A100", "99KB-sm89-sm120"])
+def test_prune_keeps_only_tiles_that_fit_shared_memory(monkeypatch, limit):
+    """The GPU space pruned for every model GEMM, format and bucket under a GPU's shared-memory limit: something is
+    always left (the first-config fallback runs), all of it fits, and the limit is what removed the rest."""
+    monkeypatch.setattr(tuning, "INTERPRETER", False)
+    monkeypatch.delenv(tuning.QUICK_ENV)
+    space, cut = tuning.grouped_gemm_configs(), 0
+    for n, k, swiglu in _MODEL_GEMMS:
+        for w_fp4 in (False, True):
+            for m in (8, 16, 32, 64, 128, 512, 1024):
+                args = ({"M_BUCKET": m, "N": n, "K": k, "G": 32, "TMA_OK": not w_fp4}, )
+                flags = dict(SWIGLU=swiglu, W_FP4=w_fp4)
+                monkeypatch.setattr(tuning, "smem_limit", lambda: None)
+                unlimited = tuning.prune_grouped_gemm_configs(space, *args, **flags)
+                monkeypatch.setattr(tuning, "smem_limit", lambda: limit)
+                kept = tuning.prune_grouped_gemm_configs(space, *args, **flags)
+                size = lambda c: tuning.smem_bytes({**c.kwargs, "num_stages": c.num_stages}, swiglu, w_fp4)  # noqa: E731
+                assert kept and all(size(c) <= limit for c in kept), (n, k, m, w_fp4)
+                assert [c for c in unlimited if size(c) <= limit] == [c for c in kept if c in unlimited]
+                cut += len(unlimited) - len([c for c in kept if c in unlimited])
+    assert cut  # the largest tiles of the space do not fit any of these GPUs
+
+
 def _bad_cases(dev):
     G, M, K, N = 2, 4, 32, 32
     x = torch.zeros(G, M, K, dtype=torch.bfloat16, device=dev)

@@ -103,8 +103,36 @@ def resident_programs(meta: dict, swiglu: bool) -> int:
     and weight tiles per stage): the grid of a persistent TMA launch."""
     props = _current_props()
     smem = props.shared_memory_per_multiprocessor if props is not None else 1
-    stage = (meta["BLOCK_M"] + (2 if swiglu else 1) * meta["BLOCK_N"]) * meta["BLOCK_K"] * 2
-    return sm_count() * max(1, smem // (meta.get("num_stages", 3) * stage + 1024))
+    return sm_count() * max(1, smem // smem_bytes(meta, swiglu, False))
+
+
+SMEM_SLACK = 1024  # bytes past the pipeline's tiles (TMA barriers and the like)
+
+
+def smem_bytes(meta: dict, swiglu: bool, w_fp4: bool) -> int:
+    """Shared memory one program of a grouped-GEMM config takes, estimated: ``num_stages`` x and weight tiles
+    (NVFP4 weights: the packed codes; unswapped, also one bf16 tile of decoded weights on its way to the MMA). In
+    Triton 3.6's sm_90 and sm_100 builds it is exact for bf16 weights and 0-30% over for NVFP4 (tests/test_compile.py;
+    on the H200 it told exactly which configs of the space fail to launch, docs/PERF.md)."""
+    bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
+    rows = (2 if swiglu else 1) * meta["BLOCK_N"]
+    total = meta.get("num_stages", 3) * (bm * bk * 2 + (rows * bk // 2 if w_fp4 else rows * bk * 2))
+    if w_fp4 and not meta.get("SWAP_AB"):
+        total += rows * bk * 2
+    return total + SMEM_SLACK
+
+
+@lru_cache(maxsize=None)
+def _max_smem(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def smem_limit() -> int | None:
+    """Shared memory one program may use on the current GPU (the opt-in maximum Triton checks a compiled kernel
+    against: 227 KB on H100/H200/B200, 99 KB on sm_89/sm_120 cards); None without one (the interpreter has none)."""
+    if INTERPRETER or not torch.cuda.is_available():
+        return None
+    return _max_smem(torch.cuda.current_device())
 
 
 def grouped_gemm_configs() -> list[triton.Config]:
@@ -123,6 +151,7 @@ def grouped_gemm_configs() -> list[triton.Config]:
             for stages in (3, 4, 5):
                 if bn * bk <= 128 * 128 or stages <= 4:
                     space.append(_gemm(bm, bn, bk, True, stages, 4))
+        space.append(_gemm(bm, 64, 64, True, 3, 4))  # bf16 SwiGLU within 99 KB of shared memory (sm_89, sm_120)
         space.append(_gemm(bm, 128, 128, True, 4, 8))  # more warps to decode NVFP4 weights
     for bn, warps in ((64, 4), (128, 4), (128, 8)):  # NVFP4 weights, 33-128 tokens
         space.append(_gemm(64, bn, 128, True, 3 if bn == 128 else 4, warps))
@@ -142,9 +171,9 @@ def sm_count() -> int:
 
 
 def prune_grouped_gemm_configs(configs, named_args, **kwargs):
-    """Keep configs that suit the shape class: row tiles of up to twice the bucket's rows (either operand order at
-    decode buckets, not swapped above them but for NVFP4 weights); tiles no wider than the problem; enough programs
-    to fill the SMs when that is possible.
+    """Keep configs that suit the shape class: tiles that fit this GPU's shared memory (:func:`smem_bytes`); row
+    tiles of up to twice the bucket's rows (either operand order at decode buckets, not swapped above them but for
+    NVFP4 weights); tiles no wider than the problem; enough programs to fill the SMs when that is possible.
 
     Why twice: routed tokens spread over the experts (a mean of m per expert reaches about m + 3 sqrt(m)), and a
     row tile short of an expert's count makes a second pass over that expert's weights. On the H200, DeepSeek-V3 at
@@ -158,10 +187,13 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     right_kind = []  # operand order fit for the shape, before the size filters
     keep = []
     tma_ok = named_args.get("x_desc") is not None or bool(named_args.get("TMA_OK"))
+    limit = smem_limit()
     for c in configs:
         kw = c.kwargs
         if kw.get("TMA") and not tma_ok:
             continue
+        if limit is not None and smem_bytes({**kw, "num_stages": c.num_stages}, swiglu, w_fp4) > limit:
+            continue  # would not build here: the first-config fallback (MOE_EP_AUTOTUNE=off) must always run
         bm = kw["BLOCK_M"]
         if kw["SWAP_AB"] and not decode:
             fits = w_fp4 and m <= FP4_SWAP_MAX_M and bm == 64
@@ -185,9 +217,9 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         full = [c for c in keep if groups * triton.cdiv(m, c.kwargs["BLOCK_M"]) * triton.cdiv(n, c.kwargs["BLOCK_N"])
                 >= sm_count()]
         keep = full or keep
-    if not keep:  # nothing of the right order in the space at all: the space is broken, not the shape
-        raise MoEEpConfigError(f"no grouped-GEMM config for m={m} n={n} k={k} (decode {decode}); allowed: a "
-                               "space with both operand orders")
+    if not keep:  # nothing of the right order fits: the space is broken (or the GPU tiny), not the shape
+        raise MoEEpConfigError(f"no grouped-GEMM config for m={m} n={n} k={k} (decode {decode}) fits {limit} bytes "
+                               "of shared memory; allowed: a space with both operand orders and tiles that fit")
     return keep
 
 
