@@ -63,7 +63,7 @@ for i, c in enumerate(tuning.grouped_gemm_configs()):
     attrs = {(kernel.arg_names.index(a), ): [["tt.divisibility", 16]] for a in aligned}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", cc, 32),
                        options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
-    est, real = tuning.smem_bytes({**kw, "num_stages": c.num_stages}, swiglu, w_fp4), k.metadata.shared
+    est, real = tuning.smem_bytes(tuning.config_dict(c), swiglu, w_fp4), k.metadata.shared
     assert real <= est <= 1.35 * real + tuning.SMEM_SLACK, (kw, c.num_stages, w_fp4, swiglu, real, est)
     worst = max(worst, est / real)
 print(f"smem estimate: {i + 1} configs within it, at most {worst:.2f}x the compiled size")

@@ -367,7 +367,7 @@ def test_prune_keeps_only_tiles_that_fit_shared_memory(monkeypatch, limit):
                 unlimited = tuning.prune_grouped_gemm_configs(space, *args, **flags)
                 monkeypatch.setattr(tuning, "smem_limit", lambda: limit)
                 kept = tuning.prune_grouped_gemm_configs(space, *args, **flags)
-                size = lambda c: tuning.smem_bytes({**c.kwargs, "num_stages": c.num_stages}, swiglu, w_fp4)  # noqa: E731
+                size = lambda c: tuning.smem_bytes(tuning.config_dict(c), swiglu, w_fp4)  # noqa: E731
                 assert kept and all(size(c) <= limit for c in kept), (n, k, m, w_fp4)
                 assert [c for c in unlimited if size(c) <= limit] == [c for c in kept if c in unlimited]
                 cut += len(unlimited) - len([c for c in kept if c in unlimited])

@@ -122,17 +122,11 @@ def smem_bytes(meta: dict, swiglu: bool, w_fp4: bool) -> int:
     return total + SMEM_SLACK
 
 
-@lru_cache(maxsize=None)
-def _max_smem(index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-
-
 def smem_limit() -> int | None:
-    """Shared memory one program may use on the current GPU (the opt-in maximum Triton checks a compiled kernel
+    """Shared memory one program may use on the current GPU (the opt-in maximum, which Triton checks a compiled kernel
     against: 227 KB on H100/H200/B200, 99 KB on sm_89/sm_120 cards); None without one (the interpreter has none)."""
-    if INTERPRETER or not torch.cuda.is_available():
-        return None
-    return _max_smem(torch.cuda.current_device())
+    props = _current_props()
+    return None if INTERPRETER or props is None else props.shared_memory_per_block_optin
 
 
 def grouped_gemm_configs() -> list[triton.Config]:
@@ -192,7 +186,7 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         kw = c.kwargs
         if kw.get("TMA") and not tma_ok:
             continue
-        if limit is not None and smem_bytes({**kw, "num_stages": c.num_stages}, swiglu, w_fp4) > limit:
+        if limit is not None and smem_bytes(config_dict(c), swiglu, w_fp4) > limit:
             continue  # would not build here: the first-config fallback (MOE_EP_AUTOTUNE=off) must always run
         bm = kw["BLOCK_M"]
         if kw["SWAP_AB"] and not decode:
