@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moe_ep.config import Algorithm, EpConfig, Format, Layout  # noqa: E402
 from moe_ep.transports.discovery import available_transports  # noqa: E402
-from moe_ep.transports.toy import toy_compute, toy_reference  # noqa: E402
+from moe_ep.testing.toy_transport import toy_compute, toy_reference  # noqa: E402
 
 LAYOUTS = {"nccl_ep": [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")],
            "nixl_ep": [("ll", "expert_major")]}

@@ -1,4 +1,4 @@
-"""Expert compute per (algorithm, layout): a DispatchResult in, the combine's input out (DESIGN.md's table).
+"""Expert compute per layout: a dispatch result (``moe_ep.layout_contract``) in, the combine's input out.
 
 * LL EXPERT_MAJOR — masked ``expert_mlp`` on ``[L, R*T, H]``; routing weights are applied by combine.
 * LL RANK_MAJOR, HT FLAT — bridge (route, permute) + ragged ``expert_mlp`` + weighted unpermute-reduce.
@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from .config import Algorithm, EpConfig, Format, Layout
+from .config import EpConfig, Format
+from .errors import fail
 from .kernels import expert_mlp
 from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
 from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
-from .transports.base import DispatchResult
+from .layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
+                              LowLatencyRankMajor)
 from .weights import ExpertWeights
 
 
@@ -49,16 +51,17 @@ def _flat(tokens, M: int, H: int):
                        gs.reshape(M) if gs.numel() > 1 else gs, torch.Size((M, H)))
 
 
-def ll_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool, m_hint: int | None) -> torch.Tensor:
+def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, nvfp4: bool,
+                    tokens_per_expert: int | None) -> torch.Tensor:
     """``[L, R*T, H]`` -> ``[L, R*T, H]``: masked MLP, rows past ``expert_counts`` untouched."""
     x = d.tokens
     if _needs_quantizing(x, nvfp4):
         x = _quantized(x, torch.arange(x.shape[1], device=w.device)[None, :] < d.expert_counts[:, None])
-    return expert_mlp(x, w.w13, w.w2, counts=d.expert_counts, m_hint=m_hint)
+    return expert_mlp(x, w.w13, w.w2, counts=d.expert_counts, m_hint=tokens_per_expert)
 
 
 def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_rows: torch.Tensor,
-             rows_per_group: int, w: ExpertWeights, nvfp4: bool, m_hint: int | None) -> torch.Tensor:
+             rows_per_group: int, w: ExpertWeights, nvfp4: bool, tokens_per_expert: int | None) -> torch.Tensor:
     """Route ``[M, K]`` picks, permute rows, ragged MLP, weighted unpermute-reduce -> ``[M, H]``."""
     K = topk_idx.shape[-1]
     M = topk_idx.numel() // K
@@ -72,44 +75,46 @@ def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_r
         xs = permute_rows(_zero_garbage(x, valid), route, quantize=True)
     else:
         xs = permute_rows(x, route)
-    y = expert_mlp(xs, w.w13, w.w2, offsets=route.offsets, m_hint=m_hint)
+    y = expert_mlp(xs, w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
     return unpermute_reduce(y, route, topk_weights.reshape(M, K))
 
 
-def ll_rank_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool, m_hint: int | None) -> torch.Tensor:
+def ll_rank_major(d: LowLatencyRankMajor, w: ExpertWeights, nvfp4: bool,
+                  tokens_per_expert: int | None) -> torch.Tensor:
     """``[R, T, H]`` + local ``topk_idx [R, T, K]`` -> ``[R, T, H]`` (weighted sum over local picks)."""
     R, T = d.topk_idx.shape[0], d.topk_idx.shape[1]
-    out = _bridged(d.tokens, d.topk_idx, d.topk_weights, d.src_rank_counts, T, w, nvfp4, m_hint)
+    out = _bridged(d.tokens, d.topk_idx, d.topk_weights, d.src_rank_counts, T, w, nvfp4, tokens_per_expert)
     return out.reshape(R, T, -1)
 
 
-def ht_flat(d: DispatchResult, w: ExpertWeights, nvfp4: bool, m_hint: int | None) -> torch.Tensor:
+def ht_flat(d: HighThroughputFlat, w: ExpertWeights, nvfp4: bool, tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` + local ``topk_idx [S, K]`` -> ``[S, H]`` (weighted sum over local picks; rows past num_recv 0)."""
     S = d.topk_idx.shape[0]
-    return _bridged(d.tokens, d.topk_idx, d.topk_weights, d.num_recv.reshape(1), max(S, 1), w, nvfp4, m_hint)
+    return _bridged(d.tokens, d.topk_idx, d.topk_weights, d.num_recv.reshape(1), max(S, 1), w, nvfp4,
+                    tokens_per_expert)
 
 
-def ht_expert_major(d: DispatchResult, w: ExpertWeights, nvfp4: bool, m_hint: int | None) -> torch.Tensor:
+def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, nvfp4: bool,
+                    tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
     offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
     x = d.tokens
     if _needs_quantizing(x, nvfp4):
         x = _quantized(x, torch.arange(x.shape[0], device=w.device) < offsets[-1])
-    return expert_mlp(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(), m_hint=m_hint)
+    return expert_mlp(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(), m_hint=tokens_per_expert)
 
 
-_COMPUTE = {
-    (Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR): ll_expert_major,
-    (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR): ll_rank_major,
-    (Algorithm.HIGH_THROUGHPUT, Layout.FLAT): ht_flat,
-    (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR): ht_expert_major,
-}
+COMPUTE = {LowLatencyExpertMajor: ll_expert_major, LowLatencyRankMajor: ll_rank_major, HighThroughputFlat: ht_flat,
+           HighThroughputExpertMajor: ht_expert_major}
+"""The compute of each dispatch result type."""
 
 
 def expert_compute(config: EpConfig, d: DispatchResult, weights: ExpertWeights,
                    tokens_per_expert: int | None = None) -> torch.Tensor:
-    """The combine input for ``config``'s algorithm/layout from dispatch's result (see the module doc).
-    ``tokens_per_expert``: the expected rows per expert (:meth:`EpConfig.tokens_per_expert`), which picks the
-    GEMMs' tuned tiles; default: the layout's row capacity per expert."""
-    fn = _COMPUTE[(config.algorithm, config.layout)]
+    """The combine input from dispatch's result ``d``, by its type (see the module doc); ``config`` gives the
+    activation format. ``tokens_per_expert``: the expected rows per expert (:meth:`EpConfig.tokens_per_expert`),
+    which picks the GEMMs' tuned tiles; default: the layout's row capacity per expert."""
+    fn = COMPUTE.get(type(d))
+    if fn is None:
+        fail("type(dispatch result)", type(d).__name__, ", ".join(t.__name__ for t in COMPUTE))
     return fn(d, weights, config.activation_format is Format.NVFP4, tokens_per_expert)

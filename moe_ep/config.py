@@ -21,6 +21,12 @@ class Layout(enum.Enum):
     FLAT = "flat"               # HT only
 
 
+SUPPORTED_LAYOUTS = ((Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR),
+                     (Algorithm.HIGH_THROUGHPUT, Layout.FLAT), (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR))
+"""The (algorithm, layout) pairs EpConfig accepts, in DESIGN.md's table order; the one list of them. Each has
+its dispatch result type (``moe_ep.layout_contract.RESULT_TYPES``)."""
+
+
 class Format(enum.Enum):
     """Number format of weights or activations."""
     BF16 = "bf16"
@@ -72,10 +78,9 @@ class EpConfig:
                        f"a multiple of {h_mult}" + (" (NVFP4 activations)" if h_mult == 32 else ""))
         if self.intermediate_size % 16:
             raise _err("intermediate_size", self.intermediate_size, "a multiple of 16")
-        if self.algorithm is Algorithm.LOW_LATENCY and self.layout is Layout.FLAT:
-            raise _err("layout", self.layout.value, "EXPERT_MAJOR or RANK_MAJOR with LOW_LATENCY")
-        if self.algorithm is Algorithm.HIGH_THROUGHPUT and self.layout is Layout.RANK_MAJOR:
-            raise _err("layout", self.layout.value, "EXPERT_MAJOR or FLAT with HIGH_THROUGHPUT")
+        if (self.algorithm, self.layout) not in SUPPORTED_LAYOUTS:
+            raise _err("layout", self.layout.value, " or ".join(repr(lay.value) for alg, lay in SUPPORTED_LAYOUTS
+                                                                if alg is self.algorithm) + f" with {self.algorithm.name}")
 
     def local_experts(self, world_size: int) -> int:
         """Experts per rank; raises MoEEpConfigError unless num_experts divides evenly."""

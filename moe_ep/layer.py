@@ -10,7 +10,7 @@ from .compute import expert_compute
 from .config import EpConfig
 from .errors import MoEEpConfigError, MoEEpInputError, check, fail
 from .transports import make_transport
-from .transports.torch_dist import group_rank_world
+from .transports.base import group_rank_world
 from .weights import ExpertWeights
 
 _IDX_DTYPES = (torch.int32, torch.int64)

@@ -18,7 +18,7 @@ from moe_ep.kernels.nvfp4 import NvFp4Tensor
 from moe_ep.transports import nccl_ep as nccl_mod
 from moe_ep.transports.nccl_ep import NcclEpTransport
 from moe_ep.transports.nixl_ep import NixlEpTransport
-from moe_ep.transports.toy import toy_compute, toy_reference
+from moe_ep.testing.toy_transport import toy_compute, toy_reference
 
 ContractViolation = fake_nccl_ep.ContractViolation
 LAYOUTS = [(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR),

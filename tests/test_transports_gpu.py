@@ -9,7 +9,7 @@ import torch
 
 from moe_ep.config import Algorithm, EpConfig, Layout
 from moe_ep.transports.discovery import nccl_ep_problem, nixl_ep_problem
-from moe_ep.transports.toy import toy_compute, toy_reference
+from moe_ep.testing.toy_transport import toy_compute, toy_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.transport]
 LAYOUTS = [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]

@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MoEEpBackendUnavailable
+from ..errors import MoEEpBackendUnavailable, MoEEpConfigError
 
 NCCL_EP_PINNED_NCCL = "2.30.7"   # fallback if the installed nccl-extensions metadata cannot be read
 NIXL_TORCH_BUILDS = ("212", "213", "214")
@@ -175,14 +175,14 @@ def available_transports() -> list[TransportInfo]:
 def require_transport(name: str) -> str:
     """Resolve ``name`` (``"auto"`` = best available) to a transport that can run, else raise.
 
-    Raises MoEEpBackendUnavailable naming the reason and the install command.
+    An unknown name raises MoEEpConfigError (this is the one check of transport names); a known transport that
+    cannot run here raises MoEEpBackendUnavailable naming the reason and the install command.
     """
+    if name != "auto" and name not in PREFERENCE:
+        raise MoEEpConfigError(f"transport = {name!r}; allowed: 'auto', " + ", ".join(repr(n) for n in PREFERENCE))
     infos = {t.name: t for t in available_transports()}
     if name == "auto":
         return next(n for n in PREFERENCE if infos[n].available)
-    if name not in infos:
-        from ..errors import MoEEpConfigError
-        raise MoEEpConfigError(f"transport = {name!r}; allowed: 'auto', " + ", ".join(repr(n) for n in infos))
     t = infos[name]
     if not t.available:
         raise MoEEpBackendUnavailable(f"transport {name!r} is unavailable: {t.reason}. Install: {t.install}")

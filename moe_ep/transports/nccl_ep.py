@@ -29,8 +29,10 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check, fail
+from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
+                               LowLatencyRankMajor, result_type)
 from ..triton_runtime import device as kernel_device
-from .base import DispatchResult, initialized_rank_world, padding_row
+from .base import group_rank_world, padding_row
 
 HT_MAX_TOKENS_PER_RANK = 8192       # HT kernels' build-time MAX_SUPPORTED_TOKENS_PER_RANK (NCCL contrib/nccl_ep common.hpp)
 NCCL_FLOAT4X2 = 12                  # nccl_ep.h line 22: ncclFloat4x2, not a member of nccl4py's NcclDataType
@@ -60,6 +62,35 @@ def ht_recv_budget(config: EpConfig, world: int) -> int:
     return s * config.top_k if config.layout is Layout.EXPERT_MAJOR else s
 
 
+# ---- per layout: the leading dims of the received rows and the other receive buffers (the module docstring's
+# table), named as the layout's result fields. Arguments: z(*shape, dt=dtype) allocates; R ranks, T max tokens
+# per rank, L local experts, K top-k, S the HT receive budget.
+
+def _ll_expert_major_buffers(z, R, T, L, K, S):
+    return (L, R * T), {"expert_counts": z(L, dt=torch.int32)}
+
+
+def _ll_rank_major_buffers(z, R, T, L, K, S):
+    idx_dt = RECV_TOPK_IDX_DTYPE[(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR)]
+    return (R, T), {"topk_idx": z(R, T, K, dt=idx_dt), "topk_weights": z(R, T, K, dt=torch.float32),
+                    "src_rank_counts": z(R, dt=torch.int32)}
+
+
+def _ht_flat_buffers(z, R, T, L, K, S):
+    idx_dt = RECV_TOPK_IDX_DTYPE[(Algorithm.HIGH_THROUGHPUT, Layout.FLAT)]
+    return (S,), {"topk_idx": z(S, K, dt=idx_dt), "topk_weights": z(S, K, dt=torch.float32),
+                  "num_recv": z(1, dt=HT_EM_COUNTER_DTYPE)}
+
+
+def _ht_expert_major_buffers(z, R, T, L, K, S):
+    return (S,), {"topk_weights": z(S, dt=torch.float32), "expert_counts": z(L, dt=HT_EM_COUNTER_DTYPE),
+                  "expert_offsets": z(L, dt=HT_EM_COUNTER_DTYPE), "num_recv": z(1, dt=HT_EM_COUNTER_DTYPE)}
+
+
+RECEIVE_BUFFERS = {LowLatencyExpertMajor: _ll_expert_major_buffers, LowLatencyRankMajor: _ll_rank_major_buffers,
+                   HighThroughputFlat: _ht_flat_buffers, HighThroughputExpertMajor: _ht_expert_major_buffers}
+
+
 class NcclEpTransport:
     """Dispatch/combine over NCCL-EP for one layer config (see the module docstring for the layouts).
 
@@ -73,9 +104,10 @@ class NcclEpTransport:
                  world_size: int | None = None, device=None):
         self.config = c = config
         if rank is None or world_size is None:
-            rank, world_size = initialized_rank_world(group, "nccl_ep")
+            rank, world_size = group_rank_world(group, needs_process_group="nccl_ep")
         self.rank, self.world = rank, world_size
         self.L = c.local_experts(world_size)
+        self.kind = result_type(c)   # the layout's result type: its receive buffers, who applies the weights
         self.ht = c.algorithm is Algorithm.HIGH_THROUGHPUT
         self.graph_capturable = not self.ht  # LL: captured and replayed in tests (1 and 2 ranks); HT: not verified
         self.fp4 = c.activation_format is Format.NVFP4
@@ -104,11 +136,9 @@ class NcclEpTransport:
             num_experts=c.num_experts, max_dispatch_tokens_per_rank=c.max_tokens_per_rank,
             max_recv_tokens_per_rank=self.budget, max_token_bytes=2 * c.hidden_size,
             num_topk=c.top_k if self.ht else 0))
-        self.handle = None
-        self._desc_cache: dict = {}
-        self._plans: dict = {}
         self._cuda = self.device.type == "cuda"
         self._last = None   # (combine outputs bundle, output view, stream) of the last dispatch
+        self._result = None  # what dispatch returns: views of the owned buffers, built after the first dispatch
         try:
             self._alloc()
         except BaseException:
@@ -119,9 +149,8 @@ class NcclEpTransport:
     def _alloc(self):
         c, R, T, K, H, L, dev = self.config, self.world, self.config.max_tokens_per_rank, self.config.top_k, \
             self.config.hidden_size, self.L, self.device
-        lead = {(False, Layout.EXPERT_MAJOR): (L, R * T), (False, Layout.RANK_MAJOR): (R, T)}.get(
-            (self.ht, c.layout), (self.budget,))
         z = lambda *s, dt: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        lead, recv = RECEIVE_BUFFERS[self.kind](z, R, T, L, K, self.budget)
         b = self.bufs = {}
         b["tokens"] = z(*lead, H // 2 if self.fp4 else H, dt=torch.uint8 if self.fp4 else torch.bfloat16)
         if self.fp4:
@@ -130,20 +159,8 @@ class NcclEpTransport:
             b["row_gs"] = z(*lead, dt=torch.float32)
             b["x_scale_rows"] = z(T, H // 16 + 16, dt=torch.uint8)       # the send side's rows
             b["x_codes"] = z(T, H // 2, dt=torch.uint8)                  # ... and codes (same address each step)
-        idx_dt = RECV_TOPK_IDX_DTYPE.get((c.algorithm, c.layout))
-        if c.layout is Layout.RANK_MAJOR or (self.ht and c.layout is Layout.FLAT):
-            b["topk_weights"] = z(*lead, K, dt=torch.float32)
-            b["topk_idx"] = z(*lead, K, dt=idx_dt)
-        if self.ht and c.layout is Layout.EXPERT_MAJOR:
-            b["topk_weights"] = z(self.budget, dt=torch.float32)
-            b["expert_counts"] = z(L, dt=HT_EM_COUNTER_DTYPE)
-            b["expert_offsets"] = z(L, dt=HT_EM_COUNTER_DTYPE)
-        if self.ht:
-            b["num_recv"] = z(1, dt=HT_EM_COUNTER_DTYPE)
-        elif c.layout is Layout.EXPERT_MAJOR:
-            b["expert_counts"] = z(L, dt=torch.int32)
-        else:
-            b["src_rank_counts"] = z(R, dt=torch.int32)
+        b.update(recv)
+        self._recv_fields = tuple(recv)
         b["out"] = z(T, H, dt=torch.bfloat16)
         b["idx_in"] = z(T, K, dt=torch.int64)      # only used when the caller's ids are not int64
         b["w_in"] = z(T, K, dt=torch.float32)      # ... or its weights not float32
@@ -193,7 +210,7 @@ class NcclEpTransport:
 
     # ---- the Transport interface ----
     def dispatch(self, hidden_states, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
-        """Send each token to its experts' ranks; returns the layout's DispatchResult (views of owned buffers).
+        """Send each token to its experts' ranks; returns the layout's result type (views of owned buffers).
 
         ``hidden_states``: bf16 ``[B, H]`` (with NVFP4 activations quantized here, see the module docstring).
         ``topk_idx`` ``[B, K]`` global ids (-1 = none), int64 (other dtypes are
@@ -226,7 +243,7 @@ class NcclEpTransport:
             if len(self._plans) > 16:
                 self._plans.clear()
             self._plans[key] = plan
-        idx_d, inputs, cout, out, result = plan
+        idx_d, inputs, cout, out = plan
         stream = torch.cuda.current_stream().cuda_stream if self._cuda else 0
         if self.handle is None:
             self.handle = self.group.create_handle(self.ep_layout, idx_d, layout_info=self.handle_info,
@@ -240,7 +257,9 @@ class NcclEpTransport:
             b, h16 = self.bufs, self.config.hidden_size // 16
             b["scales"].view(torch.uint8).copy_(b["scale_rows"][..., :h16])
             b["row_gs"].view(torch.uint8).view(*b["row_gs"].shape, 4).copy_(b["scale_rows"][..., h16:h16 + 4])
-        return result
+        if self._result is None:  # after the library's first call, so its own checks on the buffers come first
+            self._result = self._make_result()
+        return self._result
 
     def _quantize(self, x: torch.Tensor):
         """NVFP4 codes of ``x`` with this rank's global scale, and their scale rows (e4m3 | fp32 gs | 0)."""
@@ -254,7 +273,7 @@ class NcclEpTransport:
         return self.bufs["x_codes"][:B].copy_(q.data), rows
 
     def _plan(self, x, xs, topk_idx, topk_weights):
-        """Validate a new input signature and build its descriptors, bundles and result (once)."""
+        """Validate a new input signature and build its descriptors and bundles (once)."""
         c, b = self.config, self.bufs
         if not self.fp4:
             check(x.dtype == torch.bfloat16, "hidden_states.dtype", x.dtype, "torch.bfloat16")
@@ -265,23 +284,27 @@ class NcclEpTransport:
         check(tuple(topk_idx.shape) == (B, c.top_k), "topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
         check(tuple(topk_weights.shape) == (B, c.top_k), "topk_weights.shape", tuple(topk_weights.shape),
               f"({B}, {c.top_k})")
-        need_w = self.ht or c.layout is Layout.RANK_MAJOR
-        ll_em = not self.ht and c.layout is Layout.EXPERT_MAJOR
+        in_combine = self.kind.weights_applied_by_combine   # else dispatch carries the weights to the compute
         inputs = self._bundle("DispatchInputs", tokens=self._desc(x, fp4=self.fp4),  # x: codes if NVFP4
-                              topk_weights=self._desc(topk_weights) if need_w else None,
+                              topk_weights=None if in_combine else self._desc(topk_weights),
                               scales=self._desc(xs) if self.fp4 else None)
         out = b["out"][:B]
         cout = self._bundle("CombineOutputs", tokens=self._desc(out),
-                            topk_weights=self._desc(topk_weights) if ll_em else None)
+                            topk_weights=self._desc(topk_weights) if in_combine else None)
+        return self._desc(topk_idx), inputs, cout, out
+
+    def _make_result(self) -> DispatchResult:
+        """The layout's result over the owned buffers (the same object every step: the buffers never move)."""
+        b = self.bufs
         tokens = b["tokens"]
         if self.fp4:
             from ..kernels.nvfp4 import NvFp4Tensor
-            tokens = NvFp4Tensor(tokens, b["scales"], b["row_gs"], torch.Size((*tokens.shape[:-1], c.hidden_size)))
-        result = DispatchResult(tokens=tokens, expert_counts=b.get("expert_counts"),
-                                expert_offsets=b.get("expert_offsets"), topk_idx=b.get("topk_idx"),
-                                topk_weights=b.get("topk_weights"), src_rank_counts=b.get("src_rank_counts"),
-                                num_recv=b["num_recv"][0] if self.ht else None)
-        return self._desc(topk_idx), inputs, cout, out, result
+            tokens = NvFp4Tensor(tokens, b["scales"], b["row_gs"],
+                                 torch.Size((*tokens.shape[:-1], self.config.hidden_size)))
+        fields = {name: b[name] for name in self._recv_fields}
+        if "num_recv" in fields:  # the library's counter is [1]; the contract's num_recv is its 0-d view
+            fields["num_recv"] = fields["num_recv"][0]
+        return self.kind(tokens, **fields)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Return ``[B, H]`` bf16 (a view of an owned buffer, valid until the next combine)."""

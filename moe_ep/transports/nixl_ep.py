@@ -24,8 +24,9 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, fail
+from ..layout_contract import LowLatencyExpertMajor
 from ..triton_runtime import device as kernel_device
-from .base import DispatchResult, initialized_rank_world, padding_row
+from .base import group_rank_world, padding_row
 
 _instances = itertools.count()
 # the LL kernels are compiled for these hidden sizes only (SWITCH_HIDDEN in csrc/kernels/launch.cuh of
@@ -81,7 +82,7 @@ class NixlEpTransport:
     def __init__(self, config: EpConfig, group=None, *, nixl=None, store=None, rank: int | None = None,
                  world_size: int | None = None, device=None):
         if rank is None or world_size is None:
-            rank, world_size = initialized_rank_world(group, "nixl_ep")
+            rank, world_size = group_rank_world(group, needs_process_group="nixl_ep")
         check_nixl_config(config, world_size)
         self.nixl = nixl if nixl is not None else load_nixl_ep()
         self.config, self.rank, self.world = config, rank, world_size
@@ -104,7 +105,7 @@ class NixlEpTransport:
         self._last = None
 
     def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor) -> DispatchResult:
+                 topk_weights: torch.Tensor) -> LowLatencyExpertMajor:
         """``tokens [L, R*T, H]`` bf16 and ``expert_counts [L]`` int32 (rows past a count are garbage)."""
         # a rank with no tokens still takes part in the collective: it sends one row that picks no expert
         self._empty = hidden_states.dim() == 2 and hidden_states.shape[0] == 0
@@ -126,7 +127,7 @@ class NixlEpTransport:
             x.contiguous(), idx, c.max_tokens_per_rank, c.num_experts, use_fp8=False,
             async_finish=False, return_recv_hook=False)
         self._last = (B, idx, w, handle)
-        return DispatchResult(tokens=recv_x, expert_counts=recv_count)
+        return LowLatencyExpertMajor(tokens=recv_x, expert_counts=recv_count)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's expert rows, ``[B, H]`` bf16 (view of an owned buffer)."""

@@ -28,19 +28,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import Algorithm, EpConfig, Format, Layout
+from ..config import EpConfig, Format
 from ..errors import MoEEpConfigError
 from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
 from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
+from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
+                               LowLatencyRankMajor, result_type)
 from ..triton_runtime import device as kernel_device
-from .base import DispatchResult
-
-
-def group_rank_world(group) -> tuple[int, int]:
-    """(rank, world size) of ``group``; (0, 1) when torch.distributed is not initialized and group is None."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+from .base import group_rank_world
 
 
 class TorchDistTransport:
@@ -64,6 +59,15 @@ class TorchDistTransport:
                 raise MoEEpConfigError("transport group backend = 'nccl' with CPU tensors; allowed: gloo on CPU")
         self._bufs: dict[str, torch.Tensor] = {}
         self._state = None
+        # the layout, chosen once: how the compact received rows become its result, and, except where combine
+        # applies the routing weights itself (LL EXPERT_MAJOR), how the compute's output becomes one row per
+        # received token to send back
+        kind = result_type(config)
+        self._build = {LowLatencyExpertMajor: self._ll_expert_major, LowLatencyRankMajor: self._ll_rank_major,
+                       HighThroughputFlat: self._ht_flat, HighThroughputExpertMajor: self._ht_expert_major}[kind]
+        self._combine = self._combine_picks if kind.weights_applied_by_combine else self._combine_rows
+        self._rows = {LowLatencyRankMajor: self._rank_major_rows, HighThroughputFlat: self._flat_rows,
+                      HighThroughputExpertMajor: self._slot_rows}.get(kind)
 
     def _buf(self, name: str, shape, dtype) -> torch.Tensor:
         """A persistent buffer (allocated once at this size, zeroed so garbage rows stay finite)."""
@@ -167,7 +171,7 @@ class TorchDistTransport:
             st.update(to_dst=to_dst, owner=owner, send_tok=send_tok, send_pick=send_pick, recv_pick=recv_pick)
         st["n_from"] = n_from
         self._state = st
-        return self._layout(c, n_total, st)
+        return self._build(c, n_total, st)
 
     def _a2a_counts(self, counts: torch.Tensor, out: torch.Tensor) -> None:
         if self.stage:
@@ -187,36 +191,44 @@ class TorchDistTransport:
         return NvFp4Tensor(data.view(*shape, H // 2), scales.view(*shape, H // 16), gs.view(*shape),
                            torch.Size((*shape, H)))
 
-    def _layout(self, c, n_total: torch.Tensor, st) -> DispatchResult:
-        cfg, R, L = self.config, self.world, self.L
-        T, K, H = cfg.max_tokens_per_rank, cfg.top_k, cfg.hidden_size
-        M = R * T
-        key = (cfg.algorithm, cfg.layout)
-        if key == (Algorithm.HIGH_THROUGHPUT, Layout.FLAT):
-            return DispatchResult(self._tokens(c), topk_idx=c["ids"], topk_weights=c["w"], num_recv=n_total[0])
-        if key == (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR):
-            rm = c if R == 1 else self._to_rank_major(c, st["n_from"])
-            counts = (torch.full((1,), st["B"], dtype=torch.int32, device=self.device) if R == 1  # graph-safe
-                      else torch.tensor(st["n_from"], dtype=torch.int32, device=self.device))
-            return DispatchResult(self._tokens(rm, shape=(R, T)), topk_idx=rm["ids"].view(R, T, K).to(torch.int32),
-                                  topk_weights=rm["w"].view(R, T, K), src_rank_counts=counts)
-        route = route_experts(c["ids"], L, valid_rows=n_total, rows_per_group=M)
-        st["route"] = route
-        if key == (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR):
-            S = M * K
-            slot = route.slot.reshape(-1).long()
-            w_slot = self._buf("em_w", (S + 1,), torch.float32)
-            w_slot.index_copy_(0, torch.where(slot >= 0, slot, S), c["w"].reshape(-1))
-            if self.nvfp4:
-                pc = {"data": permute_rows(c["data"], route, out=self._buf("em_data", (S, H // 2), torch.uint8)),
-                      "scales": permute_rows(c["scales"], route, out=self._buf("em_sc", (S, H // 16), torch.uint8)),
-                      "gs": c["gs"][route.row_of_slot.long().clamp(min=0)]}
-            else:
-                pc = {"tok": permute_rows(c["tok"], route, out=self._buf("em_tok", (S, H), torch.bfloat16))}
-            return DispatchResult(self._tokens(pc), expert_offsets=route.offsets[:-1].long(),
-                                  expert_counts=route.counts.long(), topk_weights=w_slot[:S],
-                                  num_recv=route.offsets[-1].long())
-        # LL EXPERT_MAJOR: expert e's rows packed at [e, 0:count), in (source rank, token) order
+    # ---- the layouts: compact rows -> the contract's result type ------------------------------------------
+    def _ht_flat(self, c, n_total: torch.Tensor, st) -> HighThroughputFlat:
+        return HighThroughputFlat(self._tokens(c), topk_idx=c["ids"], topk_weights=c["w"], num_recv=n_total[0])
+
+    def _ll_rank_major(self, c, n_total: torch.Tensor, st) -> LowLatencyRankMajor:
+        R, T, K = self.world, self.config.max_tokens_per_rank, self.config.top_k
+        rm = c if R == 1 else self._to_rank_major(c, st["n_from"])
+        counts = (torch.full((1,), st["B"], dtype=torch.int32, device=self.device) if R == 1  # graph-safe
+                  else torch.tensor(st["n_from"], dtype=torch.int32, device=self.device))
+        return LowLatencyRankMajor(self._tokens(rm, shape=(R, T)), topk_idx=rm["ids"].view(R, T, K).to(torch.int32),
+                                   topk_weights=rm["w"].view(R, T, K), src_rank_counts=counts)
+
+    def _route(self, c, n_total: torch.Tensor, st) -> Route:
+        """The received picks routed to the local experts (the expert-major layouts group rows by it)."""
+        route = st["route"] = route_experts(c["ids"], self.L, valid_rows=n_total,
+                                            rows_per_group=self.config.max_tokens_per_rank * self.world)
+        return route
+
+    def _ht_expert_major(self, c, n_total: torch.Tensor, st) -> HighThroughputExpertMajor:
+        H, S = self.config.hidden_size, self.config.max_tokens_per_rank * self.world * self.config.top_k
+        route = self._route(c, n_total, st)
+        slot = route.slot.reshape(-1).long()
+        w_slot = self._buf("em_w", (S + 1,), torch.float32)
+        w_slot.index_copy_(0, torch.where(slot >= 0, slot, S), c["w"].reshape(-1))
+        if self.nvfp4:
+            pc = {"data": permute_rows(c["data"], route, out=self._buf("em_data", (S, H // 2), torch.uint8)),
+                  "scales": permute_rows(c["scales"], route, out=self._buf("em_sc", (S, H // 16), torch.uint8)),
+                  "gs": c["gs"][route.row_of_slot.long().clamp(min=0)]}
+        else:
+            pc = {"tok": permute_rows(c["tok"], route, out=self._buf("em_tok", (S, H), torch.bfloat16))}
+        return HighThroughputExpertMajor(self._tokens(pc), expert_offsets=route.offsets[:-1].long(),
+                                         expert_counts=route.counts.long(), topk_weights=w_slot[:S],
+                                         num_recv=route.offsets[-1].long())
+
+    def _ll_expert_major(self, c, n_total: torch.Tensor, st) -> LowLatencyExpertMajor:
+        """Expert e's rows packed at [e, 0:count), in (source rank, token) order."""
+        L, K, H, M = self.L, self.config.top_k, self.config.hidden_size, self.config.max_tokens_per_rank * self.world
+        route = self._route(c, n_total, st)
         e = c["ids"].clamp(0, L - 1)
         dest = e * M + (route.slot.long() - route.offsets.long()[e])
         dest = torch.where(route.slot >= 0, dest, L * M)  # invalid picks -> a spare row
@@ -234,7 +246,7 @@ class TorchDistTransport:
                   "gs": scatter("ll_gs", c["gs"][:, None], 1, torch.float32).reshape(-1)}
         else:
             em = {"tok": scatter("ll_tok", c["tok"], H, torch.bfloat16)}
-        return DispatchResult(self._tokens(em, shape=(L, M)), expert_counts=route.counts)
+        return LowLatencyExpertMajor(self._tokens(em, shape=(L, M)), expert_counts=route.counts)
 
     def _to_rank_major(self, c, n_from: list[int]) -> dict[str, torch.Tensor]:
         T, R = self.config.max_tokens_per_rank, self.world
@@ -251,33 +263,44 @@ class TorchDistTransport:
     # ---- combine --------------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """``[B, H]`` bf16 in the original token order from the compute's output for the last dispatch."""
+        return self._combine(expert_out)
+
+    def _combine_picks(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """LL EXPERT_MAJOR: one row per pick goes back and the owner applies the routing weights, in fp32."""
         st, cfg = self._state, self.config
-        R, L, T, B = self.world, self.L, cfg.max_tokens_per_rank, st["B"]
-        H = cfg.hidden_size
-        key = (cfg.algorithm, cfg.layout)
-        if key == (Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR):
-            y = expert_out.reshape(L * R * T, H)
-            if R == 1:  # weights applied here, in fp32
-                pick = Route(None, None, torch.where(st["dest"] < L * R * T, st["dest"], -1).to(torch.int32), None)
-                return unpermute_reduce(y, pick, self._compact()["w"])[:B]
-            flat = st["dest"].reshape(-1)
-            send = y[flat[flat < L * R * T]]  # one row per received pick, in compact order
-            ret = self._a2a(send, st["recv_pick"], st["send_pick"], "recv_combine")
-            owner, K = st["owner"], cfg.top_k
-            onehot = (owner.reshape(-1, 1) == torch.arange(R, device=self.device)).long()
-            rank_in_dst = onehot.cumsum(0) - 1
-            base = torch.tensor([0] + st["send_pick"][:-1], device=self.device).cumsum(0)
-            oc = owner.reshape(-1).clamp(min=0)
-            pos = base[oc] + rank_in_dst.gather(1, oc[:, None]).reshape(-1)
-            pick = Route(None, None, torch.where(owner.reshape(-1) >= 0, pos, -1).reshape(B, K).to(torch.int32), None)
-            return unpermute_reduce(ret, pick, st["topk_weights"])
-        if key == (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR):
-            rows = unpermute_reduce(expert_out.reshape(-1, H), st["route"])  # slots already weighted
-        elif key == (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR):
-            rm = expert_out.reshape(R, T, H)
-            rows = rm[0] if R == 1 else torch.cat([rm[s, :n] for s, n in enumerate(st["n_from"])])
-        else:
-            rows = expert_out.reshape(-1, H)
+        R, L, T, B, H = self.world, self.L, cfg.max_tokens_per_rank, st["B"], cfg.hidden_size
+        y = expert_out.reshape(L * R * T, H)
+        if R == 1:  # weights applied here, in fp32
+            pick = Route(None, None, torch.where(st["dest"] < L * R * T, st["dest"], -1).to(torch.int32), None)
+            return unpermute_reduce(y, pick, self._compact()["w"])[:B]
+        flat = st["dest"].reshape(-1)
+        send = y[flat[flat < L * R * T]]  # one row per received pick, in compact order
+        ret = self._a2a(send, st["recv_pick"], st["send_pick"], "recv_combine")
+        owner, K = st["owner"], cfg.top_k
+        onehot = (owner.reshape(-1, 1) == torch.arange(R, device=self.device)).long()
+        rank_in_dst = onehot.cumsum(0) - 1
+        base = torch.tensor([0] + st["send_pick"][:-1], device=self.device).cumsum(0)
+        oc = owner.reshape(-1).clamp(min=0)
+        pos = base[oc] + rank_in_dst.gather(1, oc[:, None]).reshape(-1)
+        pick = Route(None, None, torch.where(owner.reshape(-1) >= 0, pos, -1).reshape(B, K).to(torch.int32), None)
+        return unpermute_reduce(ret, pick, st["topk_weights"])
+
+    def _rank_major_rows(self, expert_out: torch.Tensor, st) -> torch.Tensor:
+        R, T = self.world, self.config.max_tokens_per_rank
+        rm = expert_out.reshape(R, T, self.config.hidden_size)
+        return rm[0] if R == 1 else torch.cat([rm[s, :n] for s, n in enumerate(st["n_from"])])
+
+    def _flat_rows(self, expert_out: torch.Tensor, st) -> torch.Tensor:
+        return expert_out.reshape(-1, self.config.hidden_size)
+
+    def _slot_rows(self, expert_out: torch.Tensor, st) -> torch.Tensor:
+        """HT EXPERT_MAJOR: a token's slots summed back into its row (the slots are already weighted)."""
+        return unpermute_reduce(expert_out.reshape(-1, self.config.hidden_size), st["route"])
+
+    def _combine_rows(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """One pre-reduced row per received token goes back; the owner sums them in fp32."""
+        st, H, R, B = self._state, self.config.hidden_size, self.world, self._state["B"]
+        rows = self._rows(expert_out, st)  # compact order: source-rank segments, token order within
         if R == 1:
             return rows[:B].to(torch.bfloat16)
         ret = self._a2a(rows[:sum(st["n_from"])].to(torch.bfloat16), st["n_from"], st["send_tok"], "recv_combine")

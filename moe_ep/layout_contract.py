@@ -1,0 +1,161 @@
+"""The layout contract (DESIGN.md): what a transport's dispatch hands the expert compute, one type per layout.
+
+Notation: B tokens on this rank, H hidden, K top-k, R ranks, L = E/R local experts, T = max tokens per rank,
+S received slots (HT). Ids the compute sees are *local* expert ids; -1 means "not here".
+
+| algorithm, layout | dispatch result type | compute returns for combine | routing weights applied by |
+|---|---|---|---|
+| LL, EXPERT_MAJOR | :class:`LowLatencyExpertMajor` | ``[L, R*T, H]`` | the transport's combine |
+| LL, RANK_MAJOR | :class:`LowLatencyRankMajor` | ``[R, T, H]``: per row, sum over its local picks of w * expert(x) | compute |
+| HT, FLAT | :class:`HighThroughputFlat` | ``[S, H]``, pre-reduced as above | compute |
+| HT, EXPERT_MAJOR | :class:`HighThroughputExpertMajor` | ``[S, H]``, each slot scaled by its weight | compute |
+
+``tokens`` is a bf16 tensor, or with NVFP4 activations an :class:`~moe_ep.kernels.nvfp4.NvFp4Tensor` of the same
+logical shape (packed uint8 ``[..., H/2]``, linear e4m3 scales ``[..., H/16]``, one global scale per row: each
+row keeps its source rank's). Rows past the valid counts are garbage (NaN included) and never read.
+
+Each type checks its fields' ranks, agreeing dimensions, dtypes and devices when it is built (a few attribute
+compares: this runs every forward; no host sync, no value checks) and raises :class:`MoEEpInputError` naming the
+field. The results are views of a transport's buffers, valid until its next dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .config import Algorithm, EpConfig, Layout
+from .errors import fail
+from .kernels.nvfp4 import NvFp4Tensor
+
+
+def _tokens(owner: str, tokens, ndim: int) -> tuple[torch.Size, torch.device]:
+    """(logical shape, device) of ``tokens`` once it is a bf16 ``ndim``-D tensor or NvFp4Tensor, else raise."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype is not torch.bfloat16 or tokens.dim() != ndim:
+            fail(f"{owner}.tokens", f"{tuple(tokens.shape)} {tokens.dtype}", f"a {ndim}-D torch.bfloat16 tensor")
+        return tokens.shape, tokens.device
+    if isinstance(tokens, NvFp4Tensor):
+        if len(tokens.shape) != ndim or tokens.data.dtype is not torch.uint8:
+            fail(f"{owner}.tokens", f"NvFp4Tensor {tuple(tokens.shape)} data {tokens.data.dtype}",
+                 f"an NvFp4Tensor of {ndim}-D logical shape (uint8 data)")
+        return tokens.shape, tokens.data.device
+    fail(f"type({owner}.tokens)", type(tokens).__name__, "torch.Tensor (bf16) or NvFp4Tensor")
+
+
+def _field(owner: str, name: str, t, dtype: torch.dtype, device: torch.device, lead: tuple, ndim: int) -> None:
+    """Raise unless ``t`` is an ``ndim``-D ``dtype`` tensor on ``device`` whose shape starts with ``lead``."""
+    if not (isinstance(t, torch.Tensor) and t.dtype is dtype and t.dim() == ndim and t.shape[:len(lead)] == lead
+            and t.device == device):
+        got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        want = ", ".join([*map(str, lead), *("*" * (ndim - len(lead)))])
+        fail(f"{owner}.{name}", got, f"[{want}] {dtype} on {device} (the layout contract, moe_ep/layout_contract.py)")
+
+
+@dataclass(frozen=True, eq=False)
+class LowLatencyExpertMajor:
+    """LL EXPERT_MAJOR: ``tokens [L, R*T, H]`` (expert e's rows at ``[e, :expert_counts[e]]``, the rest
+    garbage), ``expert_counts [L]`` int32. The compute returns ``[L, R*T, H]`` unweighted: the transport's
+    combine applies the routing weights (on the receive side)."""
+
+    algorithm: ClassVar[Algorithm] = Algorithm.LOW_LATENCY
+    layout: ClassVar[Layout] = Layout.EXPERT_MAJOR
+    weights_applied_by_combine: ClassVar[bool] = True
+
+    tokens: torch.Tensor | NvFp4Tensor
+    expert_counts: torch.Tensor
+
+    def __post_init__(self):
+        shape, dev = _tokens("LowLatencyExpertMajor", self.tokens, 3)
+        _field("LowLatencyExpertMajor", "expert_counts", self.expert_counts, torch.int32, dev, shape[:1], 1)
+
+
+@dataclass(frozen=True, eq=False)
+class LowLatencyRankMajor:
+    """LL RANK_MAJOR: ``tokens [R, T, H]`` (source rank r's tokens at ``[r, :src_rank_counts[r]]``),
+    ``topk_idx [R, T, K]`` int32 local expert ids or -1, ``topk_weights [R, T, K]`` float32,
+    ``src_rank_counts [R]`` int32. The compute returns ``[R, T, H]``: per row, the weighted sum over its local
+    picks."""
+
+    algorithm: ClassVar[Algorithm] = Algorithm.LOW_LATENCY
+    layout: ClassVar[Layout] = Layout.RANK_MAJOR
+    weights_applied_by_combine: ClassVar[bool] = False
+
+    tokens: torch.Tensor | NvFp4Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    src_rank_counts: torch.Tensor
+
+    def __post_init__(self):
+        shape, dev = _tokens("LowLatencyRankMajor", self.tokens, 3)
+        _field("LowLatencyRankMajor", "topk_idx", self.topk_idx, torch.int32, dev, shape[:2], 3)
+        _field("LowLatencyRankMajor", "topk_weights", self.topk_weights, torch.float32, dev, self.topk_idx.shape, 3)
+        _field("LowLatencyRankMajor", "src_rank_counts", self.src_rank_counts, torch.int32, dev, shape[:1], 1)
+
+
+@dataclass(frozen=True, eq=False)
+class HighThroughputFlat:
+    """HT FLAT: ``tokens [S, H]`` (the first ``num_recv`` rows valid), ``topk_idx [S, K]`` int64 local expert
+    ids or -1, ``topk_weights [S, K]`` float32, ``num_recv`` a 0-d int64 tensor. The compute returns
+    ``[S, H]``: per row, the weighted sum over its local picks."""
+
+    algorithm: ClassVar[Algorithm] = Algorithm.HIGH_THROUGHPUT
+    layout: ClassVar[Layout] = Layout.FLAT
+    weights_applied_by_combine: ClassVar[bool] = False
+
+    tokens: torch.Tensor | NvFp4Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    num_recv: torch.Tensor
+
+    def __post_init__(self):
+        shape, dev = _tokens("HighThroughputFlat", self.tokens, 2)
+        _field("HighThroughputFlat", "topk_idx", self.topk_idx, torch.int64, dev, shape[:1], 2)
+        _field("HighThroughputFlat", "topk_weights", self.topk_weights, torch.float32, dev, self.topk_idx.shape, 2)
+        _field("HighThroughputFlat", "num_recv", self.num_recv, torch.int64, dev, (), 0)
+
+
+@dataclass(frozen=True, eq=False)
+class HighThroughputExpertMajor:
+    """HT EXPERT_MAJOR: ``tokens [S, H]`` grouped by local expert (expert e's slots at
+    ``[expert_offsets[e], expert_offsets[e] + expert_counts[e])``), ``expert_offsets [L]`` and
+    ``expert_counts [L]`` int64, ``topk_weights [S]`` float32 (one per slot), ``num_recv`` a 0-d int64 tensor
+    (the valid slots). The compute returns ``[S, H]``, each slot scaled by its weight."""
+
+    algorithm: ClassVar[Algorithm] = Algorithm.HIGH_THROUGHPUT
+    layout: ClassVar[Layout] = Layout.EXPERT_MAJOR
+    weights_applied_by_combine: ClassVar[bool] = False
+
+    tokens: torch.Tensor | NvFp4Tensor
+    expert_offsets: torch.Tensor
+    expert_counts: torch.Tensor
+    topk_weights: torch.Tensor
+    num_recv: torch.Tensor
+
+    def __post_init__(self):
+        shape, dev = _tokens("HighThroughputExpertMajor", self.tokens, 2)
+        _field("HighThroughputExpertMajor", "expert_offsets", self.expert_offsets, torch.int64, dev, (), 1)
+        _field("HighThroughputExpertMajor", "expert_counts", self.expert_counts, torch.int64, dev,
+               self.expert_offsets.shape, 1)
+        _field("HighThroughputExpertMajor", "topk_weights", self.topk_weights, torch.float32, dev, shape[:1], 1)
+        _field("HighThroughputExpertMajor", "num_recv", self.num_recv, torch.int64, dev, (), 0)
+
+
+DispatchResult = LowLatencyExpertMajor | LowLatencyRankMajor | HighThroughputFlat | HighThroughputExpertMajor
+"""What ``Transport.dispatch`` returns: one of the four result types."""
+
+RESULT_TYPES: dict[tuple[Algorithm, Layout], type] = {
+    (t.algorithm, t.layout): t
+    for t in (LowLatencyExpertMajor, LowLatencyRankMajor, HighThroughputFlat, HighThroughputExpertMajor)}
+"""The result type of each pair of :data:`moe_ep.config.SUPPORTED_LAYOUTS` (same keys, same order)."""
+
+
+def result_type(config: EpConfig) -> type:
+    """The type ``config``'s dispatch returns (its algorithm and layout are a supported pair: EpConfig checks)."""
+    return RESULT_TYPES[(config.algorithm, config.layout)]
+
+
+__all__ = ["LowLatencyExpertMajor", "LowLatencyRankMajor", "HighThroughputFlat", "HighThroughputExpertMajor",
+           "DispatchResult", "RESULT_TYPES", "result_type"]
