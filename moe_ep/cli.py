@@ -34,6 +34,7 @@ def _demo_worker(rank: int, world: int, store_path: str, args, queue) -> None:
 
     from . import EpConfig, ExpertWeights, MoEEpLayer
     from .compute import expert_compute
+    from .config import SUPPORTED_LAYOUTS
     from .reference import moe_reference
     from .triton_runtime import device
 
@@ -49,7 +50,7 @@ def _demo_worker(rank: int, world: int, store_path: str, args, queue) -> None:
     w = torch.rand(B, K, generator=gx).softmax(1).to(dev)
     ref = moe_reference(x, idx, w, w13.to(dev), w2.to(dev))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for alg, lay in [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]:
+    for alg, lay in [(a.value, lay.value) for a, lay in SUPPORTED_LAYOUTS]:
         cfg = EpConfig(E, K, H, I, B, alg, lay)
         layer = MoEEpLayer(cfg, ExpertWeights.from_global(w13, w2, rank, world, device=dev))
         layer(x, idx, w)  # warm up (autotune, buffers)

@@ -14,6 +14,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from .config import SUPPORTED_LAYOUTS
+
 
 @dataclass(frozen=True)
 class Bounds:
@@ -189,7 +191,7 @@ def make_route(c: dict):
     return idx.to(getattr(torch, c["dtype"])), valid
 
 
-LAYER_LAYOUTS = [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]
+LAYER_LAYOUTS = [(a.value, lay.value) for a, lay in SUPPORTED_LAYOUTS]
 
 
 @st.composite

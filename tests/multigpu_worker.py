@@ -10,10 +10,11 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
+from moe_ep.config import SUPPORTED_LAYOUTS
 from moe_ep.reference import moe_reference
 from moe_ep.transports.discovery import available_transports
 
-LAYOUTS = [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]
+LAYOUTS = [(a.value, lay.value) for a, lay in SUPPORTED_LAYOUTS]
 E, K, H, I, T = 16, 4, 2048, 256, 64
 
 

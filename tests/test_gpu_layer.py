@@ -4,7 +4,7 @@ ranks sharing the GPU (gloo, CUDA tensors staged through host memory), CUDA-grap
 import pytest
 import torch
 
-from multirank import CFG, matrix, run_cases, spawn_and_check
+from multirank import CFG, LAYOUTS, matrix, run_cases, spawn_and_check
 
 pytestmark = pytest.mark.gpu
 
@@ -57,8 +57,7 @@ def test_matrix_is_covered():
     assert len(layouts) == 4 and {af for *_, af in matrix()} == {"bf16", "nvfp4"}
 
 
-@pytest.mark.parametrize("alg,layout", [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"),
-                                        ("ht", "expert_major")])
+@pytest.mark.parametrize("alg,layout", LAYOUTS)
 def test_cuda_graph_forward_matches_eager(alg, layout):
     """MoEEpLayer(cuda_graph=True): one graph per (batch size, dtypes), inputs copied in or filled in place;
     every replay equals the eager layer on the same new inputs."""

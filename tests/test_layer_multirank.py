@@ -4,7 +4,7 @@ algorithm/layout x weight format (+ NVFP4 activations), adversarial routings. On
 import pytest
 import torch
 
-from multirank import run_cases, spawn_and_check
+from multirank import LAYOUTS, run_cases, spawn_and_check
 
 
 def test_world_1_no_process_group():
@@ -21,8 +21,7 @@ def test_multi_rank_gloo(world):
     assert not fails, "\n".join(fails)
 
 
-@pytest.mark.parametrize("alg, layout", [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"),
-                                         ("ht", "expert_major")])
+@pytest.mark.parametrize("alg, layout", LAYOUTS)
 def test_layer_picks_gemm_tiles_by_the_expected_rows_per_expert(monkeypatch, alg, layout):
     """The expert MLP's tiles follow the rows an expert gets on average (world * batch * top_k / experts), not
     the layout's row capacity (every pick of every token, or every token per expert)."""

@@ -12,7 +12,7 @@ import fake_nixl_ep
 import pytest
 import torch
 
-from moe_ep.config import Algorithm, EpConfig, Format, Layout
+from moe_ep.config import SUPPORTED_LAYOUTS, Algorithm, EpConfig, Format, Layout
 from moe_ep.errors import MoEEpConfigError
 from moe_ep.kernels.nvfp4 import NvFp4Tensor
 from moe_ep.transports import nccl_ep as nccl_mod
@@ -21,8 +21,7 @@ from moe_ep.transports.nixl_ep import NixlEpTransport
 from moe_ep.testing.toy_transport import toy_compute, toy_reference
 
 ContractViolation = fake_nccl_ep.ContractViolation
-LAYOUTS = [(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR), (Algorithm.LOW_LATENCY, Layout.RANK_MAJOR),
-           (Algorithm.HIGH_THROUGHPUT, Layout.FLAT), (Algorithm.HIGH_THROUGHPUT, Layout.EXPERT_MAJOR)]
+LAYOUTS = list(SUPPORTED_LAYOUTS)
 IDS = [f"{a.value}-{lay.value}" for a, lay in LAYOUTS]
 
 

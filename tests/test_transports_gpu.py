@@ -7,12 +7,12 @@ changing token counts (create_handle once, then Handle.update), with output buff
 import pytest
 import torch
 
-from moe_ep.config import Algorithm, EpConfig, Layout
+from moe_ep.config import SUPPORTED_LAYOUTS, Algorithm, EpConfig, Layout
 from moe_ep.transports.discovery import nccl_ep_problem, nixl_ep_problem
 from moe_ep.testing.toy_transport import toy_compute, toy_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.transport]
-LAYOUTS = [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]
+LAYOUTS = [(a.value, lay.value) for a, lay in SUPPORTED_LAYOUTS]
 
 
 @pytest.fixture(scope="module")

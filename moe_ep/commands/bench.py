@@ -29,13 +29,14 @@ import time
 
 import torch
 
+from ..config import SUPPORTED_LAYOUTS
 from ..errors import MoEEpInputError
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, dist_setup, dist_teardown, int_list, name_list, preset_from_args,
                      print_table, progress, time_call, time_fixed, time_pair, versions, write_json)
 
 KERNELS = ("mlp", "mlp-nvfp4", "quant", "bridge", "layer")
-LAYOUTS = ("ll-expert_major", "ll-rank_major", "ht-flat", "ht-expert_major")
+LAYOUTS = tuple(f"{a.value}-{lay.value}" for a, lay in SUPPORTED_LAYOUTS)
 
 
 def add_arguments(parser) -> None:
