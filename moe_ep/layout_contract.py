@@ -34,24 +34,29 @@ from .kernels.nvfp4 import NvFp4Tensor
 def _tokens(owner: str, tokens, ndim: int) -> tuple[torch.Size, torch.device]:
     """(logical shape, device) of ``tokens`` once it is a bf16 ``ndim``-D tensor or NvFp4Tensor, else raise."""
     if isinstance(tokens, torch.Tensor):
-        if tokens.dtype is not torch.bfloat16 or tokens.dim() != ndim:
-            fail(f"{owner}.tokens", f"{tuple(tokens.shape)} {tokens.dtype}", f"a {ndim}-D torch.bfloat16 tensor")
-        return tokens.shape, tokens.device
+        shape = tokens.shape
+        if tokens.dtype is not torch.bfloat16 or len(shape) != ndim:
+            fail(f"{owner}.tokens", f"{tuple(shape)} {tokens.dtype}", f"a {ndim}-D torch.bfloat16 tensor")
+        return shape, tokens.device
     if isinstance(tokens, NvFp4Tensor):
-        if len(tokens.shape) != ndim or tokens.data.dtype is not torch.uint8:
-            fail(f"{owner}.tokens", f"NvFp4Tensor {tuple(tokens.shape)} data {tokens.data.dtype}",
+        data = tokens.data
+        if len(tokens.shape) != ndim or data.dtype is not torch.uint8:
+            fail(f"{owner}.tokens", f"NvFp4Tensor {tuple(tokens.shape)} data {data.dtype}",
                  f"an NvFp4Tensor of {ndim}-D logical shape (uint8 data)")
-        return tokens.shape, tokens.data.device
+        return tokens.shape, data.device
     fail(f"type({owner}.tokens)", type(tokens).__name__, "torch.Tensor (bf16) or NvFp4Tensor")
 
 
-def _field(owner: str, name: str, t, dtype: torch.dtype, device: torch.device, lead: tuple, ndim: int) -> None:
-    """Raise unless ``t`` is an ``ndim``-D ``dtype`` tensor on ``device`` whose shape starts with ``lead``."""
-    if not (isinstance(t, torch.Tensor) and t.dtype is dtype and t.dim() == ndim and t.shape[:len(lead)] == lead
-            and t.device == device):
+def _last_dim(t, ndim: int) -> int:
+    """``t``'s last dimension when it is an ``ndim``-D tensor (a field whose width the contract leaves free)."""
+    return t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() == ndim else -1
+
+
+def _field(owner: str, name: str, t, dtype: torch.dtype, device: torch.device, shape: tuple) -> None:
+    """Raise unless ``t`` is a ``dtype`` tensor of exactly ``shape`` on ``device`` (one shape read: it costs)."""
+    if not (isinstance(t, torch.Tensor) and t.dtype is dtype and t.shape == shape and t.device == device):
         got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-        want = ", ".join([*map(str, lead), *("*" * (ndim - len(lead)))])
-        fail(f"{owner}.{name}", got, f"[{want}] {dtype} on {device} (the layout contract, moe_ep/layout_contract.py)")
+        fail(f"{owner}.{name}", got, f"{list(shape)} {dtype} on {device} (the layout contract, moe_ep/layout_contract.py)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +73,8 @@ class LowLatencyExpertMajor:
     expert_counts: torch.Tensor
 
     def __post_init__(self):
-        shape, dev = _tokens("LowLatencyExpertMajor", self.tokens, 3)
-        _field("LowLatencyExpertMajor", "expert_counts", self.expert_counts, torch.int32, dev, shape[:1], 1)
+        (L, _, _), dev = _tokens("LowLatencyExpertMajor", self.tokens, 3)
+        _field("LowLatencyExpertMajor", "expert_counts", self.expert_counts, torch.int32, dev, (L,))
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,10 +94,11 @@ class LowLatencyRankMajor:
     src_rank_counts: torch.Tensor
 
     def __post_init__(self):
-        shape, dev = _tokens("LowLatencyRankMajor", self.tokens, 3)
-        _field("LowLatencyRankMajor", "topk_idx", self.topk_idx, torch.int32, dev, shape[:2], 3)
-        _field("LowLatencyRankMajor", "topk_weights", self.topk_weights, torch.float32, dev, self.topk_idx.shape, 3)
-        _field("LowLatencyRankMajor", "src_rank_counts", self.src_rank_counts, torch.int32, dev, shape[:1], 1)
+        (R, T, _), dev = _tokens("LowLatencyRankMajor", self.tokens, 3)
+        picks = (R, T, _last_dim(self.topk_idx, 3))
+        _field("LowLatencyRankMajor", "topk_idx", self.topk_idx, torch.int32, dev, picks)
+        _field("LowLatencyRankMajor", "topk_weights", self.topk_weights, torch.float32, dev, picks)
+        _field("LowLatencyRankMajor", "src_rank_counts", self.src_rank_counts, torch.int32, dev, (R,))
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,10 +117,11 @@ class HighThroughputFlat:
     num_recv: torch.Tensor
 
     def __post_init__(self):
-        shape, dev = _tokens("HighThroughputFlat", self.tokens, 2)
-        _field("HighThroughputFlat", "topk_idx", self.topk_idx, torch.int64, dev, shape[:1], 2)
-        _field("HighThroughputFlat", "topk_weights", self.topk_weights, torch.float32, dev, self.topk_idx.shape, 2)
-        _field("HighThroughputFlat", "num_recv", self.num_recv, torch.int64, dev, (), 0)
+        (S, _), dev = _tokens("HighThroughputFlat", self.tokens, 2)
+        picks = (S, _last_dim(self.topk_idx, 2))
+        _field("HighThroughputFlat", "topk_idx", self.topk_idx, torch.int64, dev, picks)
+        _field("HighThroughputFlat", "topk_weights", self.topk_weights, torch.float32, dev, picks)
+        _field("HighThroughputFlat", "num_recv", self.num_recv, torch.int64, dev, ())
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,12 +142,12 @@ class HighThroughputExpertMajor:
     num_recv: torch.Tensor
 
     def __post_init__(self):
-        shape, dev = _tokens("HighThroughputExpertMajor", self.tokens, 2)
-        _field("HighThroughputExpertMajor", "expert_offsets", self.expert_offsets, torch.int64, dev, (), 1)
-        _field("HighThroughputExpertMajor", "expert_counts", self.expert_counts, torch.int64, dev,
-               self.expert_offsets.shape, 1)
-        _field("HighThroughputExpertMajor", "topk_weights", self.topk_weights, torch.float32, dev, shape[:1], 1)
-        _field("HighThroughputExpertMajor", "num_recv", self.num_recv, torch.int64, dev, (), 0)
+        (S, _), dev = _tokens("HighThroughputExpertMajor", self.tokens, 2)
+        experts = (_last_dim(self.expert_offsets, 1),)
+        _field("HighThroughputExpertMajor", "expert_offsets", self.expert_offsets, torch.int64, dev, experts)
+        _field("HighThroughputExpertMajor", "expert_counts", self.expert_counts, torch.int64, dev, experts)
+        _field("HighThroughputExpertMajor", "topk_weights", self.topk_weights, torch.float32, dev, (S,))
+        _field("HighThroughputExpertMajor", "num_recv", self.num_recv, torch.int64, dev, ())
 
 
 DispatchResult = LowLatencyExpertMajor | LowLatencyRankMajor | HighThroughputFlat | HighThroughputExpertMajor
