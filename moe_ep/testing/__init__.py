@@ -1,0 +1,1 @@
+"""Test support shared by tests/ and ``moe-ep fuzz``: strategies, property checks, stand-ins."""
