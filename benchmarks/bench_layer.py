@@ -60,7 +60,7 @@ def _empty_kernel(p, n):
 
 def launch_floor() -> dict:
     """Host us to enqueue one empty Triton kernel and one tiny torch op: what an eager forward's launches cost
-    before any of our Python runs (the forward launches ~10 kernels and ~10-40 torch ops)."""
+    before any of our Python runs (an eager forward makes many launches: docs/PERF.md, "The layer")."""
     t = torch.zeros(16, device="cuda")
     return {"case": "launch floor", "tokens": 0,
             "triton_launch_host_us": time_loop(lambda: _empty_kernel[(1,)](t, 16), iters=200).host * 1e6,
