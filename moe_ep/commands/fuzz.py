@@ -82,7 +82,8 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
     """Fuzz one target in rounds until its examples or seconds are spent; stop at the first failure."""
     cases, check = PROPERTIES[name]
     strategy = cases(S.BOUNDS[sizes])
-    total = args.examples if args.examples is not None else (None if budget_s is not None else 2000)
+    default = None if budget_s is not None else settings.get_profile(FUZZ).max_examples
+    total = args.examples if args.examples is not None else default
     done, t0, lines = [0], time.perf_counter(), []
 
     def body(case):

@@ -49,7 +49,9 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     g, w = got.cpu(), want.cpu()
     if g.dtype == torch.float8_e4m3fn:
         g, w = g.view(torch.uint8), w.view(torch.uint8)
-    assert g.shape == w.shape and torch.equal(g, w), f"{what} differ from the reference"
+    if g.shape != w.shape or not torch.equal(g, w):
+        shown = f": {g.tolist()} != {w.tolist()}" if g.numel() <= 16 else ""
+        raise AssertionError(f"{what} differ from the reference{shown}")
 
 
 # --- NVFP4 -------------------------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ def check_quantize(c: dict, dev) -> None:
     x, gs, xd, gsd = _quant_input(c, dev)
     q = nvfp4.quantize_nvfp4(xd, gsd)
     data, scales, gs_ref = quantize_nvfp4_ref(x, gs)
-    assert_bits_equal(q.global_scale, gs_ref, "global scale")
+    assert_bits_equal(q.global_scale, gs_ref, "global scales")
     assert_bits_equal(q.linear_scales(), scales, "block scales")
     assert_bits_equal(q.data, data, "E2M1 codes")
 
