@@ -3,7 +3,7 @@
 At a few tokens per expert the expert MLP is a stream of weights (GEMM1 reads w13, GEMM2 reads w2). This
 times, per weight tensor of a model's local experts, in the same run:
 
-- ``read``: a plain streaming read of the weights (the practical ceiling, as in bench_grouped_gemm.py);
+- ``read``: a plain streaming read of the weights (the practical ceiling, ``moe_ep.commands.timing.time_read``);
 - ``ours``: moe-ep's grouped GEMM on those weights (tuned config; GEMM1 with SwiGLU);
 - ``ours +1 expert``: the same with one more expert, per expert (equal per-expert times: no tail-wave loss);
 - ``stream``: a minimal swapped-operand streaming GEMM (128 weight rows x 16 tokens per program, cp.async
@@ -16,14 +16,15 @@ times, per weight tensor of a model's local experts, in the same run:
 dram__throughput.avg.pct_of_peak_sustained_elapsed -k regex:"stream|_read_kernel|_grouped_gemm"
 python3 benchmarks/bench_decode_stream.py --once``.
 
-    python benchmarks/bench_decode_stream.py [--out results.json] [--once]
+From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_decode_stream.py [--out results.json] [--once]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -34,10 +35,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_ep.commands.common import uniform_offsets
+from moe_ep.commands.timing import read_once, time_graph, time_read
 from moe_ep.kernels import grouped_gemm
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grouped_gemm import _read_kernel, bench, read_us  # noqa: E402
 
 MODELS = {"DeepSeek-V3 EP8": (32, 7168, 2048, 16), "Qwen3-30B-A3B": (128, 2048, 768, 8)}  # E, H, I, tokens/expert
 R, BM, BK, STAGES = 128, 16, 128, 4  # the shipped decode tile: 128 weight rows x 16 tokens, K steps of 128
@@ -124,13 +123,6 @@ def stream_variants(w: torch.Tensor, time) -> dict:
     return times
 
 
-def read_once(w):
-    """One pass of the plain read kernel (for a profiler)."""
-    f = w.view(torch.int32).reshape(-1)
-    out = torch.empty(triton.cdiv(f.numel(), 4096), dtype=torch.int32, device=w.device)
-    _read_kernel[(out.numel(),)](f, out, f.numel(), BLOCK=4096, num_warps=8)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_decode_stream.json")
@@ -139,11 +131,14 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
 
-    def once(fn):
+    def once(fn):  # under a profiler: each kernel once, no time
         fn()
         torch.cuda.synchronize()
         return float("nan")
-    time = once if args.once else bench
+
+    def graph_us(fn):
+        return time_graph(fn) * 1e6
+    time = once if args.once else graph_us
     dev = torch.device("cuda")
     print(f"device {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}", flush=True)
     rows = []
@@ -158,7 +153,7 @@ def main():
                 grouped_gemm(x, w, offsets=offs, swiglu=swiglu, m_hint=tpe)
                 t = time(lambda: grouped_gemm(x, w, offsets=offs, swiglu=swiglu, m_hint=tpe))
                 if experts == E:
-                    row["read"] = once(lambda: read_once(w)) if args.once else read_us(w)
+                    row["read"] = once(lambda: read_once(w)) if args.once else time_read(w) * 1e6
                     row["ours"] = t
                     row.update(stream_variants(w, time))
                 else:

@@ -7,27 +7,26 @@ the graph mode in place (the caller fills ``graph_inputs(B)``: the replay alone)
 throughout. Every rank runs the same steps in the same order (dispatch and combine are collective).
 Default shape: a DeepSeek-V3-like rank (32 local experts, H 7168, I 2048, top-8), 128 tokens per rank.
 
-    python benchmarks/bench_graph_forward.py                                   (world size 1)
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_graph_forward.py (with the kits sourced)
+From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_graph_forward.py                                   (world size 1)
+    PYTHONPATH=$PWD torchrun --standalone --nproc-per-node 2 benchmarks/bench_graph_forward.py (kits sourced)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
 import torch.distributed as dist
+from bench_layer import graph_mode_times  # the script beside this one (its folder is first on sys.path)
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
 from moe_ep.commands.common import dist_setup, dist_teardown
+from moe_ep.commands.timing import time_loop
 from moe_ep.transports.discovery import available_transports
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import cuda_us, graph_mode_times, host_us  # noqa: E402
 
 
 def main():
@@ -62,8 +61,10 @@ def main():
             eager = MoEEpLayer(cfg, weights, transport=name)
             graphed = MoEEpLayer(cfg, weights, transport=name, cuda_graph=True)
             fwd = lambda: eager(x, idx, w, validate=False)  # noqa: E731
+            t_eager = time_loop(fwd)
             r = {"transport": name, "layout": layout, "world": world, "rank": rank, "tokens": B,
-                 **graph_mode_times(graphed, x, idx, w, fwd), "eager_us": cuda_us(fwd), "eager_host_us": host_us(fwd)}
+                 **graph_mode_times(graphed, x, idx, w, fwd), "eager_us": t_eager.device * 1e6,
+                 "eager_host_us": t_eager.host * 1e6}
             rows.append(r)
             for layer in (eager, graphed):
                 if name != "torch":

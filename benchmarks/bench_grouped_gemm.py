@@ -11,7 +11,9 @@ TFLOP/s), and the relative error against the torch peer.
 Autotunes first (printing the winning configs); ``--write-configs DIR`` saves the winners as a tuned-config
 file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 
-    python benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--write-configs DIR]
+From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--write-configs DIR]
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ import torch  # noqa: E402
 
 import moe_ep  # noqa: E402,F401  (before triton)
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4, tuning  # noqa: E402
-from moe_ep.commands.common import routed_offsets, time_graph, uniform_offsets  # noqa: E402
+from moe_ep.commands.common import routed_offsets, uniform_offsets  # noqa: E402
+from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 
 gg = sys.modules["moe_ep.kernels.grouped_gemm"]
 chain = sys.modules["moe_ep.kernels.chain"]
@@ -51,39 +53,6 @@ QUICK = {"DeepSeek-V3 EP8": (16, 1024), "Qwen3-30B-A3B": (8,), "Mixtral-8x7B": (
 
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def bench(fn):
-    """GPU time in us: median of CUDA-graph replays (no host launch overhead in the number); eager
-    ``do_bench`` for a function that cannot be captured."""
-    return time_graph(fn, rep_ms=100) * 1e6
-
-
-@triton.jit
-def _read_kernel(p, out, n, BLOCK: tl.constexpr):
-    """Stream one block of int32 words, store their xor (so the loads cannot be dropped)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(p + offs, mask=offs < n, other=0)
-    tl.store(out + tl.program_id(0), tl.reduce(v, 0, _xor))
-
-
-@triton.jit
-def _xor(a, b):
-    return a ^ b
-
-
-def read_us(*tensors):
-    """The practical byte ceiling in this run: the best time of a plain streaming read of these tensors."""
-    flat = [t.view(torch.int32).reshape(-1) for t in tensors]
-    best = float("inf")
-    for block, warps in ((2048, 4), (4096, 8), (8192, 8)):
-        outs = [torch.empty(triton.cdiv(f.numel(), block), dtype=torch.int32, device=f.device) for f in flat]
-
-        def run():
-            for f, o in zip(flat, outs):
-                _read_kernel[(o.numel(),)](f, o, f.numel(), BLOCK=block, num_warps=warps)
-        best = min(best, bench(run))
-    return best
 
 
 def torch_mlp(x, w13t, w2t, offs_end, inter):
@@ -132,11 +101,11 @@ def run_row(name, E, H, I, tpe, table):
     row["byte_floor_us"] = elems * 2 / BW * 1e6
     row["flop_floor_us"] = 2 * S * 3 * H * I / FLOPS * 1e6
 
-    row["read_weights_us"] = read_us(w13, w2)
+    row["read_weights_us"] = time_read(w13, w2) * 1e6
     w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
     try:
         peer = torch_mlp(x, w13t, w2t, offs[1:], I)
-        row["torch_grouped_mm_us"] = bench(lambda: torch_mlp(x, w13t, w2t, offs[1:], I))
+        row["torch_grouped_mm_us"] = time_graph(lambda: torch_mlp(x, w13t, w2t, offs[1:], I)) * 1e6
     except Exception as e:  # noqa: BLE001  (a peer that cannot run is reported, not fatal)
         peer, row["torch_grouped_mm_us"], row["torch_error"] = None, float("nan"), repr(e)[:200]
 
@@ -144,34 +113,34 @@ def run_row(name, E, H, I, tpe, table):
     row["configs_bf16"] = [short(c) for c in warm(x, w13, w2, dict(offsets=offs), tpe, table)]
     row["autotune_s"] = time.time() - t0
     ours = expert_mlp(x, w13, w2, offsets=offs)
-    row["ours_bf16_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
+    row["ours_bf16_us"] = time_graph(lambda: expert_mlp(x, w13, w2, offsets=offs)) * 1e6
     row["rel_err_bf16"] = rel_err(ours, peer) if peer is not None else float("nan")
     if tpe <= tuning.DECODE_MAX_M:  # the same with the GEMM1 -> GEMM2 chain off (one GEMM after the other)
         with mock.patch.dict(os.environ, {chain.CHAIN_ENV: "off"}):  # the caller's own setting comes back after
-            row["ours_bf16_unchained_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=offs))
+            row["ours_bf16_unchained_us"] = time_graph(lambda: expert_mlp(x, w13, w2, offsets=offs)) * 1e6
     routed = routed_offsets(E, tpe, dev) if tpe <= ROUTED_MAX else None
     if routed is not None:
-        row["ours_bf16_routed_us"] = bench(lambda: expert_mlp(x, w13, w2, offsets=routed))
-        row["torch_routed_us"] = bench(lambda: torch_mlp(x, w13t, w2t, routed[1:], I))
+        row["ours_bf16_routed_us"] = time_graph(lambda: expert_mlp(x, w13, w2, offsets=routed)) * 1e6
+        row["torch_routed_us"] = time_graph(lambda: torch_mlp(x, w13t, w2t, routed[1:], I)) * 1e6
     if tpe <= ROUTED_MAX:
         xm = x.view(E, tpe, H)
         warm(xm, w13, w2, dict(counts=counts), tpe, table)
-        row["ours_bf16_masked_us"] = bench(lambda: expert_mlp(xm, w13, w2, counts=counts))
+        row["ours_bf16_masked_us"] = time_graph(lambda: expert_mlp(xm, w13, w2, counts=counts)) * 1e6
     q13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
     q2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
     row["byte_floor_nvfp4_us"] = elems * (0.5 + 1 / 16) / BW * 1e6
     row["configs_nvfp4"] = [short(c) for c in warm(x, q13, q2, dict(offsets=offs), tpe, table)]
     ours4 = expert_mlp(x, q13, q2, offsets=offs)
-    row["ours_nvfp4_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=offs))
+    row["ours_nvfp4_us"] = time_graph(lambda: expert_mlp(x, q13, q2, offsets=offs)) * 1e6
     if routed is not None:
-        row["ours_nvfp4_routed_us"] = bench(lambda: expert_mlp(x, q13, q2, offsets=routed))
+        row["ours_nvfp4_routed_us"] = time_graph(lambda: expert_mlp(x, q13, q2, offsets=routed)) * 1e6
     # NVFP4 x too (one global scale per row, as received tokens carry): decoded to a bf16 copy before GEMM1
     qx = quantize_nvfp4(x, nvfp4_global_scale(x.view(S, 1, H), per_slice=True))
     ours44 = expert_mlp(qx, q13, q2, offsets=offs)
-    row["ours_nvfp4_x_us"] = bench(lambda: expert_mlp(qx, q13, q2, offsets=offs))
+    row["ours_nvfp4_x_us"] = time_graph(lambda: expert_mlp(qx, q13, q2, offsets=offs)) * 1e6
     if tpe <= ROUTED_MAX:
         qxm = quantize_nvfp4(x.view(E, tpe, H))
-        row["ours_nvfp4_x_masked_us"] = bench(lambda: expert_mlp(qxm, q13, q2, counts=counts))
+        row["ours_nvfp4_x_masked_us"] = time_graph(lambda: expert_mlp(qxm, q13, q2, counts=counts)) * 1e6
     d13, d2 = dequantize_nvfp4(q13), dequantize_nvfp4(q2)
     try:
         row["rel_err_nvfp4"] = rel_err(ours4, torch_mlp(x, d13.transpose(1, 2), d2.transpose(1, 2), offs[1:], I))

@@ -8,7 +8,9 @@ its host overhead (CPU time to enqueue one forward), the same for the layer's CU
 bytes and against the torch version of the same step, all measured in this run. The short table is printed
 last; ``--out FILE`` writes everything as JSON.
 
-    python benchmarks/bench_layer.py [--weight-format nvfp4] [--out bench_layer.json]
+From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_layer.py [--weight-format nvfp4] [--out bench_layer.json]
 """
 
 from __future__ import annotations
@@ -18,46 +20,16 @@ import cProfile
 import json
 import os
 import pstats
-import time
 import warnings
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
 import triton
-import triton.testing
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
+from moe_ep.commands.timing import time_graph, time_loop
 from moe_ep.kernels import grouped_gemm
 from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
-
-
-def cuda_us(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / iters * 1e3
-
-
-def graph_us(fn) -> float:
-    """Device time of ``fn`` alone, calls captured in a CUDA graph and replayed (no host in the way: eager
-    timing of a small step measures its launches, not its kernels)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
-
-
-def host_us(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / iters * 1e6
 
 
 def graph_mode_times(graphed: MoEEpLayer, x, idx, w, eager_fwd) -> dict:
@@ -72,9 +44,11 @@ def graph_mode_times(graphed: MoEEpLayer, x, idx, w, eager_fwd) -> dict:
     gfwd = lambda: graphed(x, idx, w, validate=False)  # noqa: E731
     inplace = lambda: graphed(*static, validate=False)  # noqa: E731
     ref, got = eager_fwd().float(), inplace().float()
-    return {"graph_forward_us": cuda_us(gfwd), "graph_host_us": host_us(gfwd),
-            "graph_inplace_us": cuda_us(inplace), "graph_inplace_host_us": host_us(inplace),
-            "graph_replay_host_us": host_us(graphed._graphs.get(B, idx.dtype, w.dtype).graph.replay),  # the floor
+    t_fwd, t_inplace = time_loop(gfwd), time_loop(inplace)
+    t_replay = time_loop(graphed._graphs.get(B, idx.dtype, w.dtype).graph.replay)  # the floor
+    return {"graph_forward_us": t_fwd.device * 1e6, "graph_host_us": t_fwd.host * 1e6,
+            "graph_inplace_us": t_inplace.device * 1e6, "graph_inplace_host_us": t_inplace.host * 1e6,
+            "graph_replay_host_us": t_replay.host * 1e6,
             "graph_matches_eager": bool(torch.equal(got, ref)),
             "graph_rel_err": ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()}
 
@@ -86,10 +60,11 @@ def _empty_kernel(p, n):
 
 def launch_floor() -> dict:
     """Host us to enqueue one empty Triton kernel and one tiny torch op: what an eager forward's launches cost
-    before any of our Python runs (the forward launches ~10 kernels and ~10-40 torch ops)."""
+    before any of our Python runs (an eager forward makes many launches: docs/PERF.md, "The layer")."""
     t = torch.zeros(16, device="cuda")
-    return {"case": "launch floor", "tokens": 0, "triton_launch_host_us": host_us(lambda: _empty_kernel[(1,)](t, 16), 200),
-            "torch_op_host_us": host_us(lambda: t.add_(1), 200)}
+    return {"case": "launch floor", "tokens": 0,
+            "triton_launch_host_us": time_loop(lambda: _empty_kernel[(1,)](t, 16), iters=200).host * 1e6,
+            "torch_op_host_us": time_loop(lambda: t.add_(1), iters=200).host * 1e6}
 
 
 def torch_route(ids: torch.Tensor, L: int):
@@ -113,7 +88,8 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     idx = torch.rand(B, E, device=dev).topk(K, dim=1).indices
     w = torch.rand(B, K, device=dev)
     fwd = lambda: layer(x, idx, w, validate=False)  # noqa: E731
-    r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": cuda_us(fwd), "host_us": host_us(fwd)}
+    t_fwd = time_loop(fwd)
+    r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": t_fwd.device * 1e6, "host_us": t_fwd.host * 1e6}
     if args.profile:  # where the host time of an eager forward goes: host syncs, then functions by own time
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as syncs:
@@ -128,7 +104,7 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
             pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
     tr = layer.transport
-    r["dispatch_us"] = cuda_us(lambda: tr.dispatch(x, idx, w))
+    r["dispatch_us"] = time_loop(lambda: tr.dispatch(x, idx, w)).device * 1e6
     d = tr.dispatch(x, idx, w)
     L = E
     m_hint = cfg.tokens_per_expert(1, B)  # the GEMMs' tiles, as the layer picks them
@@ -138,16 +114,17 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
         group = B if layout == "rank_major" else ids.shape[0]
         rows = d.tokens.reshape(-1, H)
         route = route_experts(ids, L, valid_rows=valid, rows_per_group=group)
-        r["bridge_us"] = cuda_us(lambda: permute_rows(rows, route_experts(ids, L, valid_rows=valid,
-                                                                          rows_per_group=group)))
+        r["bridge_us"] = time_loop(lambda: permute_rows(rows, route_experts(ids, L, valid_rows=valid,
+                                                                            rows_per_group=group))).device * 1e6
         xs = permute_rows(rows, route)
         off = dict(offsets=route.offsets, m_hint=m_hint)
         h = grouped_gemm(xs, weights.w13, swiglu=True, **off)
-        r["gemm1_us"] = cuda_us(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off))
+        r["gemm1_us"] = time_loop(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off)).device * 1e6
         y = grouped_gemm(h, weights.w2, **off)
-        r["gemm2_us"] = cuda_us(lambda: grouped_gemm(h, weights.w2, **off))
+        r["gemm2_us"] = time_loop(lambda: grouped_gemm(h, weights.w2, **off)).device * 1e6
         red = unpermute_reduce(y, route, d.topk_weights.reshape(-1, K))
-        r["combine_us"] = cuda_us(lambda: tr.combine(unpermute_reduce(y, route, d.topk_weights.reshape(-1, K))))
+        r["combine_us"] = time_loop(lambda: tr.combine(unpermute_reduce(y, route, d.topk_weights.reshape(-1, K)))
+                                    ).device * 1e6
         # bridge bandwidth: gathered rows read + written, vs a device copy of the same bytes, vs torch
         total = int(route.offsets[-1])
         nbytes = 2 * total * H * 2
@@ -155,17 +132,19 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
         dst = torch.empty_like(src)
         # bridge steps: device time of the kernels (graph-timed), ours and torch's; eager = with launches
         src_of_slot = route.row_of_slot[:total].long()
-        t_gather = graph_us(lambda: permute_rows(rows, route))
-        t_copy = graph_us(lambda: dst.copy_(src))
-        t_torch_gather = graph_us(lambda: rows.index_select(0, src_of_slot))
-        t_route = graph_us(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group))
-        t_torch_route = graph_us(lambda: torch_route(ids, L))
-        t_red = graph_us(lambda: unpermute_reduce(y, route, d.topk_weights.reshape(-1, K)))
+        t_gather = time_graph(lambda: permute_rows(rows, route), rep_ms=50) * 1e6
+        t_copy = time_graph(lambda: dst.copy_(src), rep_ms=50) * 1e6
+        t_torch_gather = time_graph(lambda: rows.index_select(0, src_of_slot), rep_ms=50) * 1e6
+        t_route = time_graph(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group), rep_ms=50) * 1e6
+        t_torch_route = time_graph(lambda: torch_route(ids, L), rep_ms=50) * 1e6
+        t_red = time_graph(lambda: unpermute_reduce(y, route, d.topk_weights.reshape(-1, K)), rep_ms=50) * 1e6
         slot = route.slot.long()
         wts = d.topk_weights.reshape(-1, K)
-        t_torch_red = graph_us(lambda: (y[slot.clamp(min=0)].float() * (wts * (slot >= 0))[..., None]).sum(1))
-        r.update(gather_eager_us=cuda_us(lambda: permute_rows(rows, route)),
-                 route_eager_us=cuda_us(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group)))
+        t_torch_red = time_graph(lambda: (y[slot.clamp(min=0)].float() * (wts * (slot >= 0))[..., None]).sum(1),
+                                 rep_ms=50) * 1e6
+        r.update(gather_eager_us=time_loop(lambda: permute_rows(rows, route)).device * 1e6,
+                 route_eager_us=time_loop(lambda: route_experts(ids, L, valid_rows=valid, rows_per_group=group)
+                                          ).device * 1e6)
         r.update(gather_GBps=nbytes / t_gather / 1e3, copy_GBps=nbytes / t_copy / 1e3,
                  torch_gather_GBps=nbytes / t_torch_gather / 1e3, route_us=t_route, torch_route_us=t_torch_route,
                  unpermute_us=t_red, torch_unpermute_us=t_torch_red)
@@ -179,11 +158,11 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
                        m_hint=m_hint)
         xs = d.tokens
         h = grouped_gemm(xs, weights.w13, swiglu=True, **off)
-        r["gemm1_us"] = cuda_us(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off))
+        r["gemm1_us"] = time_loop(lambda: grouped_gemm(xs, weights.w13, swiglu=True, **off)).device * 1e6
         rs = dict(row_scale=d.topk_weights.float()) if alg == "ht" else {}
         y = grouped_gemm(h, weights.w2, **off, **rs)
-        r["gemm2_us"] = cuda_us(lambda: grouped_gemm(h, weights.w2, **off, **rs))
-        r["combine_us"] = cuda_us(lambda: tr.combine(y))
+        r["gemm2_us"] = time_loop(lambda: grouped_gemm(h, weights.w2, **off, **rs)).device * 1e6
+        r["combine_us"] = time_loop(lambda: tr.combine(y)).device * 1e6
     r.update(graph_mode_times(MoEEpLayer(cfg, weights, cuda_graph=True), x, idx, w, fwd))
     wbytes = sum(t.numel() * t.element_size() for t in (
         [weights.w13, weights.w2] if args.weight_format == "bf16"

@@ -1,6 +1,8 @@
 """NVFP4 quantize/dequantize speed on the GPU vs the device-copy ceiling and the torch reference.
 
-    python benchmarks/bench_nvfp4.py [--out results.json]
+From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_nvfp4.py [--out results.json]
 
 Bytes counted per call: bf16 input read + packed codes and e4m3 scales written (quantize), and the
 reverse (dequantize). The ceiling is a device-to-device copy of the same input size, measured here.
@@ -11,28 +13,26 @@ from __future__ import annotations
 import argparse
 import json
 
+import moe_ep  # noqa: F401  (before triton)
 import torch
-import triton.testing
+import triton
 
-import moe_ep  # noqa: F401
+from moe_ep.commands.timing import time_call, time_graph
 from moe_ep.kernels import dequantize_nvfp4, quantize_nvfp4
 from moe_ep.reference import quantize_nvfp4_ref
 
 SHAPES = [(128, 7168), (4096, 7168), (16384, 7168)]
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e-3  # seconds
+REPS = dict(rep_ms=300, warmup_ms=50)  # the eager timings' (time_call) budget
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     rows = []
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    copy_bw = 2 * big.numel() / bench(lambda: big.clone())
+    copy_bw = 2 * big.numel() / time_call(lambda: big.clone(), **REPS)
     del big
     for m, k in SHAPES:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -41,14 +41,13 @@ def main():
         d, s, _ = quantize_nvfp4_ref(x, gs)
         exact = torch.equal(q.data, d) and torch.equal(q.scales.view(torch.uint8), s.view(torch.uint8))
         nbytes = x.numel() * 2 + q.data.numel() + q.scales.numel()
-        t_q = bench(lambda: quantize_nvfp4(x, gs, check_finite=False))
-        t_qg = triton.testing.do_bench_cudagraph(lambda: quantize_nvfp4(x, gs, check_finite=False), rep=200,
-                                                 return_mode="median") * 1e-3
-        t_qs = bench(lambda: quantize_nvfp4(x, gs, swizzle=True, check_finite=False))
-        t_qa = bench(lambda: quantize_nvfp4(x, check_finite=False))  # + amax pass for the global scale
-        t_ref = bench(lambda: quantize_nvfp4_ref(x, gs))
-        t_dq = bench(lambda: dequantize_nvfp4(q))
-        small_copy = bench(lambda: x.clone())
+        t_q = time_call(lambda: quantize_nvfp4(x, gs, check_finite=False), **REPS)
+        t_qg = time_graph(lambda: quantize_nvfp4(x, gs, check_finite=False), rep_ms=200)
+        t_qs = time_call(lambda: quantize_nvfp4(x, gs, swizzle=True, check_finite=False), **REPS)
+        t_qa = time_call(lambda: quantize_nvfp4(x, check_finite=False), **REPS)  # + amax pass for the global scale
+        t_ref = time_call(lambda: quantize_nvfp4_ref(x, gs), **REPS)
+        t_dq = time_call(lambda: dequantize_nvfp4(q), **REPS)
+        small_copy = time_call(lambda: x.clone(), **REPS)
         rows.append(dict(shape=f"{m}x{k}", exact=exact, bytes=nbytes, quant_us=t_q * 1e6,
                          quant_gbps=nbytes / t_q / 1e9, pct_copy=100 * nbytes / t_q / copy_bw,
                          quant_graph_us=t_qg * 1e6, graph_pct_copy=100 * nbytes / t_qg / copy_bw,

@@ -4,23 +4,23 @@ same (stable sort of the ids, ``index_add_`` histogram, cumsum), for several id 
 Both sides are graph-timed (``do_bench_cudagraph``: device time, no launch overhead); every variant's
 counts, offsets, slots and rows are compared with ``reference.route_experts_ref`` in the same run.
 
-    python benchmarks/bench_route.py [--tokens 128,4096] [--top-k 8] [--experts 32] [--warps 4,8,16]
+From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_route.py [--tokens 128,4096] [--top-k 8] [--experts 32] [--warps 4,8,16]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
+from bench_layer import torch_route  # the script beside this one (its folder is first on sys.path)
 
+from moe_ep.commands.timing import time_graph
 from moe_ep.kernels import bridge
 from moe_ep.reference import route_experts_ref
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import graph_us, torch_route  # noqa: E402
 
 
 def main():
@@ -39,7 +39,7 @@ def main():
         ids = torch.rand(M, 256, device=dev).topk(K, dim=1).indices.to(torch.int32) % (L + 8) - 4
         ids = torch.where(ids < L, ids, -1).to(torch.int32)
         want = route_experts_ref(ids.cpu(), L)
-        t_torch = graph_us(lambda: torch_route(ids, L))
+        t_torch = time_graph(lambda: torch_route(ids, L), rep_ms=50) * 1e6
         for warps in (int(w) for w in args.warps.split(",")):
             out = bridge.route_experts(ids, L)  # buffers of the right shapes
 
@@ -48,7 +48,7 @@ def main():
             run()
             got = (out.counts, out.offsets, out.slot, out.row_of_slot)
             exact = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
-            t = graph_us(run)
+            t = time_graph(run, rep_ms=50) * 1e6
             print(f"{M * K:6d} {warps:5d} {t:8.2f} {t_torch:8.2f} {t_torch / t:7.2f} {exact}", flush=True)
 
 

@@ -7,8 +7,10 @@ both combine outputs; (2) device time of dispatch+combine per step, wrapper vs t
 same group/handle/buffers (CUDA events), and (3) host time per step (enqueue, no sync): the wrapper's,
 the raw calls', and the wrapper's own (library calls replaced by a stand-in that does nothing). Short table last.
 
-World size 1:  python benchmarks/bench_transports.py --out out.json
-World size R:  torchrun --nproc-per-node R benchmarks/bench_transports.py --out out.json
+From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
+
+World size 1:  PYTHONPATH=$PWD python3 benchmarks/bench_transports.py --out out.json
+World size R:  PYTHONPATH=$PWD torchrun --nproc-per-node R benchmarks/bench_transports.py --out out.json
 Goal: the wrapper adds next to nothing to the raw calls, in device and in host time (the targets and the
 measured numbers: docs/PERF.md).
 """
@@ -18,18 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from moe_ep.config import SUPPORTED_LAYOUTS, EpConfig, Format  # noqa: E402
-from moe_ep.layout_contract import (HighThroughputExpertMajor, HighThroughputFlat,  # noqa: E402
-                                    LowLatencyExpertMajor, LowLatencyRankMajor)
-from moe_ep.transports.discovery import available_transports  # noqa: E402
-from moe_ep.testing.toy_transport import toy_compute, toy_reference  # noqa: E402
+from moe_ep.commands.timing import time_loop
+from moe_ep.config import SUPPORTED_LAYOUTS, EpConfig, Format
+from moe_ep.layout_contract import (HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
+                                    LowLatencyRankMajor)
+from moe_ep.testing.toy_transport import toy_compute, toy_reference
+from moe_ep.transports.discovery import available_transports
 
 LAYOUTS = {"nccl_ep": [(a.value, lay.value) for a, lay in SUPPORTED_LAYOUTS], "nixl_ep": [("ll", "expert_major")]}
 
@@ -97,31 +97,9 @@ def own_host_us(t, wrapper, iters):
         returns = {}
     setattr(t, attr, Replay(returns))
     try:
-        for _ in range(3):
-            wrapper()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            wrapper()
-        return (time.perf_counter() - t0) * 1e6 / iters
+        return time_loop(wrapper, iters=iters, warmup=3).host * 1e6
     finally:
         setattr(t, attr, real)
-
-
-def timed(fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host = 0.0
-    a.record()
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        host += time.perf_counter() - t0
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / iters, host * 1e6 / iters   # us device, us host
 
 
 def picked(w, ids):
@@ -211,9 +189,12 @@ def run_case(name, alg, lay, args, rank, world, dev):
         def wrapper():
             t.dispatch(x, idx, w)
             t.combine(y)
-        row["wrapper_us"], row["wrapper_host_us"] = timed(wrapper, args.iters, args.warmup)
+        steps = dict(iters=args.iters, warmup=args.warmup, barrier=True)  # every rank starts the timed steps together
+        tw = time_loop(wrapper, **steps)
         # raw_step reuses the state of the last wrapper step (same group, handle and buffers)
-        row["raw_us"], row["raw_host_us"] = timed(raw_step(t), args.iters, args.warmup)
+        tr = time_loop(raw_step(t), **steps)
+        row["wrapper_us"], row["wrapper_host_us"], row["raw_us"], row["raw_host_us"] = (
+            tw.device * 1e6, tw.host * 1e6, tr.device * 1e6, tr.host * 1e6)
         row["overhead_pct"] = 100 * (row["wrapper_us"] / row["raw_us"] - 1)
         row["host_overhead_us"] = row["wrapper_host_us"] - row["raw_host_us"]
         row["own_host_us"] = own_host_us(t, wrapper, args.iters)

@@ -6,6 +6,7 @@
 # Writes $OUT/bench_transports_w1.json (and _w2). NVLink multicast stays off (the kits export the variables).
 set -uo pipefail
 out=${OUT:-.}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the scripts import moe_ep from this checkout
 source .kits/nccl/setup_on_device.sh .kits/nccl || exit 1
 source .kits/nixl/setup_on_device.sh .kits/nixl || exit 1
 python3 -c "import moe_ep; from moe_ep.transports.discovery import format_transports_table as f; print(f())"

@@ -5,13 +5,12 @@ import os
 import moe_ep  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("fuzz", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+from moe_ep.testing.profiles import CI, register_profiles
+
+register_profiles()
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", CI))
 
 HAS_GPU = torch.cuda.is_available()
 

@@ -208,3 +208,20 @@ def test_bench_under_torchrun_two_ranks(tmp_path):
     assert res["world_size"] == 2
     assert {r["rank"] for r in res["rows"]} == {0, 1}
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the timing of a run without a GPU")
+def test_timing_without_a_gpu_is_one_wall_clock_call_in_seconds():
+    import time
+
+    from moe_ep.commands import timing
+    calls = []
+
+    def nap():
+        calls.append(1)
+        time.sleep(0.02)
+    ours, peer, how = timing.time_pair(nap, nap)
+    loop = timing.time_loop(nap, iters=5, warmup=2)
+    for t in (timing.time_call(nap), timing.time_graph(nap), ours, peer, loop.device, loop.host):
+        assert 0.02 <= t < 1.0, t
+    assert how == "eager" and len(calls) == 5  # one call each: through the interpreter a call costs seconds

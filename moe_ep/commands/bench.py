@@ -33,7 +33,8 @@ from ..config import SUPPORTED_LAYOUTS
 from ..errors import MoEEpInputError
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, dist_setup, dist_teardown, int_list, name_list, preset_from_args,
-                     print_table, progress, time_call, time_fixed, time_pair, versions, write_json)
+                     print_table, progress, versions, write_json)
+from .timing import time_call, time_loop, time_pair
 
 KERNELS = ("mlp", "mlp-nvfp4", "quant", "bridge", "layer")
 LAYOUTS = tuple(f"{a.value}-{lay.value}" for a, lay in SUPPORTED_LAYOUTS)
@@ -240,7 +241,7 @@ class Bench:
             t_ours, t_peer = t_first, time_call(peer, rep_ms=args.rep_ms)
         elif kernel.startswith("layer"):  # what a user's eager forward costs (host included)
             # under torchrun: a collective, so the same call count on every rank
-            t_ours = time_fixed(ours) if self.world > 1 else time_call(ours, rep_ms=args.rep_ms)
+            t_ours = time_loop(ours, warmup=3).device if self.world > 1 else time_call(ours, rep_ms=args.rep_ms)
             t_peer = time_call(peer, rep_ms=args.rep_ms)
         else:  # kernels: their GPU time, replayed from a CUDA graph (small rows would time the host otherwise)
             t_ours, t_peer, timing = time_pair(ours, peer, rep_ms=args.rep_ms)

@@ -1,4 +1,5 @@
-"""What the subcommands share: model presets, argument parsing helpers, timing, progress, torchrun setup."""
+"""What the subcommands share: model presets, argument parsing helpers, progress, torchrun setup, output (timing:
+:mod:`moe_ep.commands.timing`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -116,80 +116,6 @@ def routed_offsets(experts: int, mean: int, dev, seed: int = 0) -> torch.Tensor:
     offsets = torch.zeros(experts + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(torch.bincount(picks, minlength=experts), 0)
     return offsets
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_call(fn, *, rep_ms: float = 100.0, warmup_ms: float = 25.0) -> float:
-    """Median seconds per call of ``fn``. On a GPU: ``triton.testing.do_bench`` (L2 flushed between calls).
-    Through the interpreter: one wall-clock call (each costs seconds; the number only says it ran)."""
-    if INTERPRETER or not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
-
-
-def _syncs(fn) -> bool:
-    """Whether ``fn`` makes a host sync (which a CUDA graph cannot capture; a failed capture would leave the
-    CUDA generator mid-capture), found by running it once under ``torch.cuda`` sync debug mode "error"."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError:
-        return True
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return False
-
-
-def _graph_times(fns, rep_ms: float) -> list[float] | None:
-    """Median seconds per call of each of ``fns`` replayed from a CUDA graph (the GPU time, without the host's
-    launch overhead; ``triton.testing.do_bench_cudagraph``), or None when one of them cannot be captured."""
-    if INTERPRETER or not torch.cuda.is_available() or any(_syncs(fn) for fn in fns):
-        return None
-    import triton.testing
-    try:
-        return [triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e-3 for fn in fns]
-    except RuntimeError:  # a host-dependent shape or another capture failure the sync check did not see
-        torch.cuda.synchronize()
-        return None
-
-
-def time_graph(fn, *, rep_ms: float = 100.0) -> float:
-    """Median seconds per call of ``fn``, replayed from a CUDA graph where it can be captured, else eagerly
-    (:func:`time_call`)."""
-    t = _graph_times([fn], rep_ms)
-    return t[0] if t else time_call(fn, rep_ms=rep_ms)
-
-
-def time_pair(ours, peer, *, rep_ms: float = 100.0) -> tuple[float, float, str]:
-    """Median seconds per call of ``ours`` and of ``peer``, timed the same way: replayed from a CUDA graph when
-    both can be captured, else eagerly (:func:`time_call`). Returns ``(ours, peer, "graph" | "eager")``."""
-    t = _graph_times([ours, peer], rep_ms)
-    if t:
-        return t[0], t[1], "graph"
-    return time_call(ours, rep_ms=rep_ms), time_call(peer, rep_ms=rep_ms), "eager"
-
-
-def time_fixed(fn, calls: int = 20, warmup: int = 3) -> float:
-    """Mean seconds per call over a fixed number of calls: for collectives, where every rank must make the
-    same calls (``do_bench`` picks its count from each rank's own timing)."""
-    if INTERPRETER or not torch.cuda.is_available():
-        calls, warmup = 1, 0
-    for _ in range(warmup):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / calls
 
 
 # --- torchrun -------------------------------------------------------------------------------------------

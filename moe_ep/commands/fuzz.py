@@ -1,10 +1,10 @@
 """``moe-ep fuzz``: differential fuzzing of every kernel and the world-size-1 layer against the references.
 
-Targets (``--targets``): NVFP4 ``quantize`` / ``dequantize`` / ``gather_quantize`` (bit-exact), ``grouped_gemm``
-and ``expert_mlp`` (relative error vs the fp32 reference: 1e-2 / 2e-2), the bridge's ``route`` and ``permute``
-(exact) and ``unpermute_reduce`` (1e-5), and ``layer`` (MoEEpLayer at world size 1 vs the dense MoE: 2e-2,
-0.3 with NVFP4 activations). Cases come from :mod:`moe_ep.strategies`, sized by ``--sizes`` (``tiny`` for the
-interpreter, ``gpu`` on a device).
+Targets (``--targets``): the properties of :mod:`moe_ep.testing.properties` (the checks the tests make, each with
+its tolerance): NVFP4 ``quantize`` / ``dequantize`` / ``gather_quantize`` (bit-exact), ``grouped_gemm`` and
+``expert_mlp`` (relative error vs the fp32 reference), the bridge's ``route`` and ``permute`` (exact) and
+``unpermute_reduce``, and ``layer`` (MoEEpLayer at world size 1 vs the dense MoE). Cases come from
+:mod:`moe_ep.testing.strategies`, sized by ``--sizes`` (``tiny`` for the interpreter, ``gpu`` on a device).
 
 Runs under the ``fuzz`` hypothesis profile with a persistent example database (``--database``, default
 ``~/.cache/moe-ep/hypothesis``): a failure found once is replayed first on every later run. Stops after
@@ -17,7 +17,6 @@ several per target (shards with their own seeds sharing the target's examples an
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -34,197 +33,18 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
-from .. import strategies as S
 from ..errors import MoEEpInputError
+from ..testing import strategies as S
+from ..testing.profiles import FUZZ, register_profiles
+from ..testing.properties import PROPERTIES
 from ..triton_runtime import INTERPRETER, device
 from .common import name_list, print_table
-
-GEMM_TOL, MLP_TOL, REDUCE_TOL = 1e-2, 2e-2, 1e-5
-
-
-class Unavailable(Exception):
-    """A target whose kernels are not in this build."""
-
-
-def _gg():
-    try:
-        return importlib.import_module("moe_ep.kernels.grouped_gemm")
-    except ImportError as e:
-        raise Unavailable(f"moe_ep.kernels.grouped_gemm: {e}") from None
-
-
-def _rel_check(out, ref, valid, tol, what):
-    o, r = out[valid].float().cpu(), ref[valid].float().cpu()
-    assert torch.isfinite(o).all(), f"{what}: non-finite output"
-    err, norm = (o - r).norm().item(), r.norm().item()
-    assert err <= tol * norm + 1e-30, f"{what}: relative error {err / max(norm, 1e-30):.3e} > {tol}"
-
-
-# --- NVFP4 -------------------------------------------------------------------------------------------------
-
-
-def _quant_input(c, dev):
-    x = S.make_values((c["rows"], c["k"]), c["kind"], getattr(torch, c["dtype"]), c["seed"])
-    gs = torch.tensor(370.0) if c["given_scale"] or not x.numel() else None
-    return x, gs, x.to(dev), None if gs is None else gs.to(dev)
-
-
-def check_quantize(c, dev):
-    from ..kernels import nvfp4
-    from ..reference import quantize_nvfp4_ref
-    x, gs, xd, gsd = _quant_input(c, dev)
-    q = nvfp4.quantize_nvfp4(xd, gsd)
-    data, scales, gs_ref = quantize_nvfp4_ref(x, gs)
-    assert torch.equal(q.global_scale.cpu(), gs_ref), f"global scale {q.global_scale} != reference {gs_ref}"
-    assert torch.equal(q.linear_scales().cpu().view(torch.uint8), scales.view(torch.uint8)), "block scales differ"
-    assert torch.equal(q.data.cpu(), data), "E2M1 codes differ"
-
-
-def check_dequantize(c, dev):
-    from ..kernels import nvfp4
-    from ..reference import dequantize_nvfp4_ref
-    _, _, xd, gsd = _quant_input(c, dev)
-    q = nvfp4.quantize_nvfp4(xd, gsd)
-    out = nvfp4.dequantize_nvfp4(q, torch.float32).cpu()
-    ref = dequantize_nvfp4_ref(q.data.cpu(), q.scales.cpu(), q.global_scale.cpu())
-    assert torch.equal(out, ref), "dequantized values differ from the reference"
-
-
-def check_gather_quantize(c, dev):
-    from ..kernels import nvfp4
-    from ..reference import quantize_nvfp4_ref
-    x, gs, xd, gsd = _quant_input(c, dev)
-    g = torch.Generator().manual_seed(c["seed"] + 1)
-    rows = torch.randint(-1 if x.shape[0] else 0, max(x.shape[0], 1), (c["gather"] if x.shape[0] else 0,),
-                         generator=g)
-    if gs is None:
-        gs = quantize_nvfp4_ref(x)[2]
-        gsd = gs.to(dev)
-    q = nvfp4.gather_quantize_nvfp4(xd, rows.to(dev), gsd)
-    src = torch.where(rows[:, None] >= 0, x[rows.clamp(min=0)], torch.zeros((), dtype=x.dtype))
-    data, scales, _ = quantize_nvfp4_ref(src, gs)
-    assert torch.equal(q.data.cpu(), data), "E2M1 codes of the gathered rows differ"
-    assert torch.equal(q.scales.cpu().view(torch.uint8), scales.view(torch.uint8)), "block scales differ"
-
-
-# --- grouped GEMM --------------------------------------------------------------------------------------------
-
-
-def check_grouped_gemm(c, dev):
-    gg = _gg()
-    from ..reference import grouped_gemm_ref
-    x, idx, valid, rows = S.make_gemm_operands(c, dev)
-    gen = torch.Generator().manual_seed(c["seed"] + 1)
-    w = (torch.randn(c["G"], 2 * c["N"] if c["swiglu"] else c["N"], c["K"], generator=gen) * 0.5)
-    xk, xr = S.gemm_operand(x, c["x_fmt"])
-    wk, wr = S.gemm_operand(w.to(torch.bfloat16).to(dev), c["w_fmt"], per_slice=True)
-    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
-    out = gg.grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs, m_hint=c["m_hint"])
-    ref = grouped_gemm_ref(xr, wr, **idx, swiglu=c["swiglu"], row_scale=rs)
-    _rel_check(out, ref, valid, GEMM_TOL, "grouped_gemm")
-
-
-def check_expert_mlp(c, dev):
-    gg = _gg()
-    from ..reference import expert_mlp_ref
-    H, I = c["K"], c["N"]
-    x, idx, valid, rows = S.make_gemm_operands(c, dev)
-    gen = torch.Generator().manual_seed(c["seed"] + 1)
-    w13k, w13r = S.gemm_operand((torch.randn(c["G"], 2 * I, H, generator=gen) * 0.3).to(torch.bfloat16).to(dev),
-                                c["w_fmt"], per_slice=True)
-    w2k, w2r = S.gemm_operand((torch.randn(c["G"], H, I, generator=gen) * 0.3).to(torch.bfloat16).to(dev), c["w_fmt"],
-                              per_slice=True)
-    xk, xr = S.gemm_operand(x, c["x_fmt"])
-    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
-    out = gg.expert_mlp(xk, w13k, w2k, **idx, row_scale=rs, m_hint=c["m_hint"])
-    # the kernel rounds its intermediate to bf16: so does the reference's input to GEMM2 (within MLP_TOL)
-    ref = expert_mlp_ref(xr, w13r, w2r, **idx, row_scale=rs)
-    _rel_check(out, ref, valid, MLP_TOL, "expert_mlp")
-
-
-# --- bridge ------------------------------------------------------------------------------------------------
-
-
-def _route(c, dev):
-    from ..kernels import bridge
-    idx, valid = S.make_route(c)
-    r = bridge.route_experts(idx.to(dev), c["L"], valid_rows=None if valid is None else valid.to(dev),
-                             rows_per_group=c["group"])
-    return idx, valid, r
-
-
-def check_route(c, dev):
-    from ..reference import route_experts_ref
-    idx, valid, r = _route(c, dev)
-    ref = route_experts_ref(idx, c["L"], valid, c["group"])
-    for name, got, want in zip(("counts", "offsets", "slot", "row_of_slot"),
-                               (r.counts, r.offsets, r.slot, r.row_of_slot), ref):
-        assert torch.equal(got.cpu(), want.cpu()), f"route {name} differs: {got.tolist()} != {want.tolist()}"
-
-
-def check_permute(c, dev):
-    from ..kernels import bridge
-    from ..reference import permute_rows_ref
-    idx, valid, r = _route(c, dev)
-    x = torch.randn(c["M"], c["H"], generator=torch.Generator().manual_seed(c["seed"])).to(torch.bfloat16)
-    total = int(r.offsets[-1])
-    out = bridge.permute_rows(x.to(dev), r)[:total].cpu()
-    assert torch.equal(out, permute_rows_ref(x, r.row_of_slot.cpu(), total)), "permuted rows differ"
-
-
-def check_unpermute_reduce(c, dev):
-    from ..kernels import bridge
-    from ..reference import unpermute_reduce_ref
-    idx, valid, r = _route(c, dev)
-    g = torch.Generator().manual_seed(c["seed"])
-    y = torch.randn(c["M"] * c["K"], c["H"], generator=g).to(torch.bfloat16)
-    w = torch.rand(c["M"], c["K"], generator=g) if c["weighted"] else None
-    out = bridge.unpermute_reduce(y.to(dev), r, None if w is None else w.to(dev), out_dtype=torch.float32)
-    ref = unpermute_reduce_ref(y, r.slot.cpu(), w)
-    _rel_check(out, ref, torch.ones(c["M"], dtype=torch.bool), REDUCE_TOL, "unpermute_reduce")
-
-
-# --- layer -------------------------------------------------------------------------------------------------
-
-
-def check_layer(c, dev):
-    _gg()
-    from ..config import EpConfig
-    from ..layer import MoEEpLayer
-    from ..reference import moe_reference
-    from ..weights import ExpertWeights
-    x, idx, wts, w13, w2 = S.make_layer_inputs(c)
-    alg, lay = c["layout"]
-    cfg = EpConfig(c["E"], c["K"], c["H"], c["I"], max(c["B"], 1), algorithm=alg, layout=lay,
-                   weight_format=c["wf"], activation_format=c["af"])
-    weights = ExpertWeights(w13.to(dev), w2.to(dev), c["wf"])
-    out = MoEEpLayer(cfg, weights)(x.to(dev), idx.to(dev), wts.to(dev))
-    d13, d2 = weights.dense()
-    ref = moe_reference(x, idx, wts, d13.cpu(), d2.cpu())
-    assert tuple(out.shape) == tuple(x.shape), f"layer output shape {tuple(out.shape)} != {tuple(x.shape)}"
-    _rel_check(out, ref, torch.ones(c["B"], dtype=torch.bool), 0.3 if c["af"] == "nvfp4" else MLP_TOL, "layer")
-
-
-TARGETS = {
-    "quantize": (S.quant_cases, check_quantize),
-    "dequantize": (S.quant_cases, check_dequantize),
-    "gather_quantize": (S.quant_cases, check_gather_quantize),
-    "grouped_gemm": (S.gemm_cases, check_grouped_gemm),
-    "expert_mlp": (lambda b: S.gemm_cases(b, mlp=True), check_expert_mlp),
-    "route": (S.route_cases, check_route),
-    "permute": (S.route_cases, check_permute),
-    "unpermute_reduce": (S.route_cases, check_unpermute_reduce),
-    "layer": (S.layer_cases, check_layer),
-}
-
-NEEDS_GEMM = ("grouped_gemm", "expert_mlp", "layer")
-
 
 # --- the runner ----------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--targets", default="all", help=f"'all' or a subset of {','.join(TARGETS)}")
+    parser.add_argument("--targets", default="all", help=f"'all' or a subset of {','.join(PROPERTIES)}")
     parser.add_argument("--examples", type=int, default=None, help="examples per target (default: the fuzz "
                         "profile's 2000, or unbounded with --seconds)")
     parser.add_argument("--seconds", type=float, default=None, help="total time, split evenly over the targets")
@@ -260,14 +80,10 @@ def _repro_command(args, target: str, blob: str | None, db: str, sizes: str) -> 
 
 def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev) -> dict:
     """Fuzz one target in rounds until its examples or seconds are spent; stop at the first failure."""
-    strategy, check = TARGETS[name]
-    strategy = strategy(S.BOUNDS[sizes])
-    if name in NEEDS_GEMM:
-        try:
-            _gg()
-        except Unavailable as e:
-            return dict(target=name, status="unavailable", examples=0, seconds=0.0, detail=str(e))
-    total = args.examples if args.examples is not None else (None if budget_s is not None else 2000)
+    cases, check = PROPERTIES[name]
+    strategy = cases(S.BOUNDS[sizes])
+    default = None if budget_s is not None else settings.get_profile(FUZZ).max_examples
+    total = args.examples if args.examples is not None else default
     done, t0, lines = [0], time.perf_counter(), []
 
     def body(case):
@@ -279,7 +95,7 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
     body.__name__ = body.__qualname__ = name
 
     def one_round(n):
-        s = settings(settings.get_profile("fuzz"), max_examples=n, database=DirectoryBasedExampleDatabase(db),
+        s = settings(settings.get_profile(FUZZ), max_examples=n, database=DirectoryBasedExampleDatabase(db),
                      print_blob=True, derandomize=False)
         prop = given(strategy)(body)
         prop = s(prop)
@@ -397,8 +213,8 @@ def run_parallel(args, names: list[str]) -> list[dict]:
 
 
 def run(args) -> int:
-    S.register_profiles()
-    names = name_list(args.targets, "--targets", TARGETS)
+    register_profiles()
+    names = name_list(args.targets, "--targets", PROPERTIES)
     if args.reproduce and len(names) != 1:
         raise MoEEpInputError(f"--targets = {args.targets!r} with --reproduce; allowed: exactly one target")
     if args.examples is not None and args.examples <= 0:

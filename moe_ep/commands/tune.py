@@ -29,7 +29,8 @@ import torch
 from ..errors import MoEEpConfigError
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
-                     routed_offsets, sync, time_call, uniform_offsets, write_json)
+                     routed_offsets, uniform_offsets, write_json)
+from .timing import sync, time_call
 
 FORMATS = ("bf16", "nvfp4")
 GEMMS = ("gemm1", "gemm2")

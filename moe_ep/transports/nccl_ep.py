@@ -147,7 +147,7 @@ class NcclEpTransport:
 
     # ---- buffers, allocated once ----
     def _alloc(self):
-        c, R, T, K, H, L, dev = self.config, self.world, self.config.max_tokens_per_rank, self.config.top_k, \
+        R, T, K, H, L, dev = self.world, self.config.max_tokens_per_rank, self.config.top_k, \
             self.config.hidden_size, self.L, self.device
         z = lambda *s, dt: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         lead, recv = RECEIVE_BUFFERS[self.kind](z, R, T, L, K, self.budget)

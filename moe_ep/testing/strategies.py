@@ -3,7 +3,7 @@
 A strategy draws a *case*: a small dict of parameters (shapes, value kind, formats, a seed), never tensors,
 so a counterexample prints in a line and reproduces anywhere. ``make_*`` helpers build the tensors from a
 case. Sizes are bounded by a :class:`Bounds` (``TINY`` for the Triton interpreter, ``GPU`` for fuzzing on
-a device). :func:`register_profiles` registers the ``ci`` and ``fuzz`` hypothesis profiles.
+a device). The hypothesis profiles are in :mod:`moe_ep.testing.profiles`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from .config import SUPPORTED_LAYOUTS
@@ -38,14 +37,6 @@ BOUNDS = {"tiny": TINY, "gpu": GPU}
 
 VALUE_KINDS = ("normal", "huge", "tiny", "zeros", "zero_rows", "midpoints", "saturating")
 MIDPOINTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]  # e2m1 rounding midpoints in units of gs / s
-
-
-def register_profiles() -> None:
-    """The ``ci`` (few examples) and ``fuzz`` (thousands) profiles, as in ``tests/conftest.py``."""
-    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                        HealthCheck.filter_too_much])
-    settings.register_profile("ci", max_examples=12, derandomize=True, **common)
-    settings.register_profile("fuzz", max_examples=2000, **common)
 
 
 def make_values(shape, kind: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -101,7 +92,7 @@ def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
     (masked or ragged), operand formats, SwiGLU / row-scale epilogues, padding rows, value scale, and the
     tokens-per-expert hint that picks the tiles (at ``DECODED_MIN_M``, NVFP4 weights are decoded to bf16 first, as
     NVFP4 x always is)."""
-    from .kernels.tuning import DECODED_MIN_M
+    from ..kernels.tuning import DECODED_MIN_M
     G = draw(st.integers(1, b.experts))
     return dict(
         G=G, K=16 * draw(st.integers(1, b.k16)), N=16 * draw(st.integers(1, b.n16)),
@@ -120,8 +111,8 @@ tokens received from several ranks arrive)."""
 def gemm_operand(t: torch.Tensor, fmt: str, *, per_slice: bool = False):
     """(operand for the kernel, dense fp32 operand for the reference) of bf16 ``t`` in format ``fmt`` (one of
     :data:`X_FORMATS`; ``per_slice``: with "nvfp4", one global scale per ``t[i]``, as expert weights carry)."""
-    from .kernels.nvfp4 import NvFp4Tensor, nvfp4_global_scale, quantize_nvfp4
-    from .reference import dequantize_nvfp4_ref
+    from ..kernels.nvfp4 import NvFp4Tensor, nvfp4_global_scale, quantize_nvfp4
+    from ..reference import dequantize_nvfp4_ref
     if fmt == "bf16":
         return t, t.float()
     if fmt == "nvfp4":
@@ -154,10 +145,15 @@ def make_gemm_operands(c: dict, dev, *, n_rows: int | None = None):
         valid = torch.arange(M_max)[None, :] < torch.tensor(counts)[:, None]
         idx = dict(counts=torch.tensor(counts, dtype=torch.int64, device=dev))
         rows = (G, M_max)
-    x = torch.randn(*rows, K, generator=gen) * c["scale"]
-    if c["zero_frac"]:
-        x = x * (torch.rand(x.shape, generator=gen) >= c["zero_frac"])
-    return x.to(torch.bfloat16).to(dev), idx, valid.to(dev), rows
+    return scaled_values((*rows, K), c["scale"], c["zero_frac"], gen).to(dev), idx, valid.to(dev), rows
+
+
+def scaled_values(shape, scale: float, zero_frac: float, gen: torch.Generator) -> torch.Tensor:
+    """bf16 normal values times ``scale`` on the CPU, a ``zero_frac`` fraction of them exact zeros."""
+    v = torch.randn(shape, generator=gen) * scale
+    if zero_frac:
+        v = v * (torch.rand(shape, generator=gen) >= zero_frac)
+    return v.to(torch.bfloat16)
 
 
 @st.composite

@@ -1,0 +1,240 @@
+"""The property of each kernel and of the layer: run it on a case, run the reference, compare.
+
+One check per target, shared by the property tests and ``moe-ep fuzz``: a check takes a case drawn by
+:mod:`moe_ep.testing.strategies` and the device, and raises ``AssertionError`` (saying what differs) when the
+kernel disagrees with :mod:`moe_ep.reference`. NVFP4 kernels and the bridge's integer outputs are compared bit
+for bit; GEMMs, the reduce and the layer by relative Frobenius error ``||out - ref|| / ||ref||`` over the valid
+rows, against the bound each one's formats allow (the tolerances below).
+
+:data:`PROPERTIES` names every target with its case strategy and its check (``moe-ep fuzz --targets``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import strategies as S
+
+GEMM_TOL = 1e-2
+"""One grouped GEMM: the output is bf16 (2^-9 relative rounding) and the MMA inputs are bf16 (NVFP4 values times
+E4M3 scales are exact in bf16), compared with the fp32 reference on the same (dequantized) operands."""
+
+MLP_TOL = 2e-2
+"""The expert MLP (two GEMMs): GEMM1's intermediate is also rounded to bf16 before GEMM2."""
+
+REDUCE_TOL = 1e-5
+"""The weighted unpermute-reduce in fp32: only the order of the fp32 multiply-adds differs."""
+
+LAYER_TOL = MLP_TOL
+"""The layer with bf16 activations against the dense MoE on the same weights: the expert MLP's bound."""
+
+LAYER_NVFP4_TOL = 0.3
+"""The layer with NVFP4 activations: the tokens are quantized (about 0.1 relative error each), the dense
+reference is not."""
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor, tol: float, what: str) -> None:
+    """``out[valid]`` finite and within relative Frobenius error ``tol`` of ``ref[valid]`` (``valid``: a bool mask
+    over the leading dims of both)."""
+    o, r = out[valid].float().cpu(), ref[valid].float().cpu()
+    assert torch.isfinite(o).all(), f"{what}: non-finite output"
+    err, norm = (o - r).norm().item(), r.norm().item()
+    assert err <= tol * norm + 1e-30, f"{what}: relative error {err / max(norm, 1e-30):.3e} > {tol}"
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """The same shape and the same values (float8 scales compared as bytes)."""
+    g, w = got.cpu(), want.cpu()
+    if g.dtype == torch.float8_e4m3fn:
+        g, w = g.view(torch.uint8), w.view(torch.uint8)
+    if g.shape != w.shape or not torch.equal(g, w):
+        shown = f": {g.tolist()} != {w.tolist()}" if g.numel() <= 16 else ""
+        raise AssertionError(f"{what} differ from the reference{shown}")
+
+
+# --- NVFP4 -------------------------------------------------------------------------------------------------
+
+
+def _quant_input(c, dev):
+    """(x, global scale or None) on the CPU and the same on ``dev``, of a :func:`~.strategies.quant_cases` case."""
+    x = S.make_values((c["rows"], c["k"]), c["kind"], getattr(torch, c["dtype"]), c["seed"])
+    gs = torch.tensor(370.0) if c["given_scale"] or not x.numel() else None
+    return x, gs, x.to(dev), None if gs is None else gs.to(dev)
+
+
+def check_quantize(c: dict, dev) -> None:
+    """``quantize_nvfp4``: global scale, block scales and E2M1 codes bit-exact."""
+    from ..kernels import nvfp4
+    from ..reference import quantize_nvfp4_ref
+    x, gs, xd, gsd = _quant_input(c, dev)
+    q = nvfp4.quantize_nvfp4(xd, gsd)
+    data, scales, gs_ref = quantize_nvfp4_ref(x, gs)
+    assert_bits_equal(q.global_scale, gs_ref, "global scales")
+    assert_bits_equal(q.linear_scales(), scales, "block scales")
+    assert_bits_equal(q.data, data, "E2M1 codes")
+
+
+def check_dequantize(c: dict, dev) -> None:
+    """``dequantize_nvfp4`` of the kernel's own quantization: bit-exact values."""
+    from ..kernels import nvfp4
+    from ..reference import dequantize_nvfp4_ref
+    _, _, xd, gsd = _quant_input(c, dev)
+    q = nvfp4.quantize_nvfp4(xd, gsd)
+    out = nvfp4.dequantize_nvfp4(q, torch.float32)
+    assert_bits_equal(out, dequantize_nvfp4_ref(q.data.cpu(), q.scales.cpu(), q.global_scale.cpu()),
+                      "dequantized values")
+
+
+def check_gather_quantize(c: dict, dev) -> None:
+    """``gather_quantize_nvfp4`` of random rows (-1: a zero row): codes and scales of quantize(gather)."""
+    from ..kernels import nvfp4
+    from ..reference import quantize_nvfp4_ref
+    x, gs, xd, gsd = _quant_input(c, dev)
+    g = torch.Generator().manual_seed(c["seed"] + 1)
+    rows = torch.randint(-1 if x.shape[0] else 0, max(x.shape[0], 1), (c["gather"] if x.shape[0] else 0,),
+                         generator=g)
+    if gs is None:
+        gs = quantize_nvfp4_ref(x)[2]
+        gsd = gs.to(dev)
+    q = nvfp4.gather_quantize_nvfp4(xd, rows.to(dev), gsd)
+    src = torch.where(rows[:, None] >= 0, x[rows.clamp(min=0)], torch.zeros((), dtype=x.dtype))
+    data, scales, _ = quantize_nvfp4_ref(src, gs)
+    assert_bits_equal(q.data, data, "E2M1 codes of the gathered rows")
+    assert_bits_equal(q.scales, scales, "block scales of the gathered rows")
+
+
+# --- grouped GEMM ------------------------------------------------------------------------------------------
+
+
+def check_grouped_gemm(c: dict, dev, m_hint="case") -> int:
+    """``grouped_gemm`` of a :func:`~.strategies.gemm_cases` case into a NaN-poisoned output: within
+    :data:`GEMM_TOL` on the experts' rows, rows of no expert left unwritten. ``m_hint`` overrides the case's.
+    Returns the number of elements of x (0: there was nothing to compute)."""
+    from ..kernels import grouped_gemm
+    from ..reference import grouped_gemm_ref
+    x, idx, valid, rows = S.make_gemm_operands(c, dev)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    n_out = 2 * c["N"] if c["swiglu"] else c["N"]
+    w = S.scaled_values((c["G"], n_out, c["K"]), 0.5, c["zero_frac"], gen).to(dev)
+    xk, xr = S.gemm_operand(x, c["x_fmt"])
+    wk, wr = S.gemm_operand(w, c["w_fmt"], per_slice=True)
+    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
+    out = torch.full((*rows, c["N"]), float("nan"), dtype=torch.bfloat16, device=dev)
+    got = grouped_gemm(xk, wk, **idx, swiglu=c["swiglu"], row_scale=rs, out=out,
+                       m_hint=c["m_hint"] if m_hint == "case" else m_hint)
+    assert got is out, "grouped_gemm did not return its out= tensor"
+    ref = grouped_gemm_ref(xr, wr, **idx, swiglu=c["swiglu"], row_scale=rs)
+    assert_rel_close(out, ref, valid, GEMM_TOL, "grouped_gemm")
+    assert torch.isnan(out[~valid].float()).all(), "grouped_gemm wrote rows outside the experts' counts"
+    return x.numel()
+
+
+def check_expert_mlp(c: dict, dev) -> None:
+    """``expert_mlp`` (GEMM1 + SwiGLU, GEMM2) of a ``gemm_cases(mlp=True)`` case (K = H, N = I) into a poisoned
+    output: within :data:`MLP_TOL` on the experts' rows, rows of no expert left unwritten."""
+    from ..kernels import expert_mlp
+    from ..reference import expert_mlp_ref
+    H, I = c["K"], c["N"]
+    x, idx, valid, rows = S.make_gemm_operands(c, dev)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    w13k, w13r = S.gemm_operand(S.scaled_values((c["G"], 2 * I, H), 0.3, 0.0, gen).to(dev), c["w_fmt"],
+                                per_slice=True)
+    w2k, w2r = S.gemm_operand(S.scaled_values((c["G"], H, I), 0.3, 0.0, gen).to(dev), c["w_fmt"], per_slice=True)
+    xk, xr = S.gemm_operand(x, c["x_fmt"])
+    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
+    out = torch.full((*rows, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    expert_mlp(xk, w13k, w2k, **idx, row_scale=rs, out=out, m_hint=c["m_hint"])
+    ref = expert_mlp_ref(xr, w13r, w2r, **idx, row_scale=rs)
+    assert_rel_close(out, ref, valid, MLP_TOL, "expert_mlp")
+    assert torch.isnan(out[~valid].float()).all(), "expert_mlp wrote rows outside the experts' counts"
+
+
+# --- bridge ------------------------------------------------------------------------------------------------
+
+
+def _route(c, dev):
+    from ..kernels import bridge
+    idx, valid = S.make_route(c)
+    r = bridge.route_experts(idx.to(dev), c["L"], valid_rows=None if valid is None else valid.to(dev),
+                             rows_per_group=c["group"])
+    return idx, valid, r
+
+
+def check_route(c: dict, dev) -> None:
+    """``route_experts`` of a :func:`~.strategies.route_cases` case: counts, offsets, slots, rows exact."""
+    from ..reference import route_experts_ref
+    idx, valid, r = _route(c, dev)
+    ref = route_experts_ref(idx, c["L"], valid, c["group"])
+    for name, got, want in zip(("counts", "offsets", "slot", "row_of_slot"),
+                               (r.counts, r.offsets, r.slot, r.row_of_slot), ref):
+        assert torch.equal(got.cpu(), want.cpu()), f"route {name} differs: {got.tolist()} != {want.tolist()}"
+
+
+def check_permute(c: dict, dev) -> None:
+    """``permute_rows`` of a route case: the routed rows exact."""
+    from ..kernels import bridge
+    from ..reference import permute_rows_ref
+    _, _, r = _route(c, dev)
+    x = torch.randn(c["M"], c["H"], generator=torch.Generator().manual_seed(c["seed"])).to(torch.bfloat16)
+    total = int(r.offsets[-1])
+    out = bridge.permute_rows(x.to(dev), r)[:total]
+    assert_bits_equal(out, permute_rows_ref(x, r.row_of_slot.cpu(), total), "permuted rows")
+
+
+def check_unpermute_reduce(c: dict, dev) -> None:
+    """``unpermute_reduce`` (fp32 out) of a route case, weighted or not: within :data:`REDUCE_TOL`."""
+    from ..kernels import bridge
+    from ..reference import unpermute_reduce_ref
+    _, _, r = _route(c, dev)
+    g = torch.Generator().manual_seed(c["seed"])
+    y = torch.randn(c["M"] * c["K"], c["H"], generator=g).to(torch.bfloat16)
+    w = torch.rand(c["M"], c["K"], generator=g) if c["weighted"] else None
+    out = bridge.unpermute_reduce(y.to(dev), r, None if w is None else w.to(dev), out_dtype=torch.float32)
+    ref = unpermute_reduce_ref(y, r.slot.cpu(), w)
+    assert_rel_close(out, ref, torch.ones(c["M"], dtype=torch.bool), REDUCE_TOL, "unpermute_reduce")
+
+
+# --- layer -------------------------------------------------------------------------------------------------
+
+
+def check_layer(c: dict, dev) -> None:
+    """``MoEEpLayer`` at world size 1 on a :func:`~.strategies.layer_cases` case against the dense MoE on the same
+    (dequantized) weights: the input's shape, within :data:`LAYER_TOL` (:data:`LAYER_NVFP4_TOL` with NVFP4
+    activations)."""
+    from ..config import EpConfig
+    from ..layer import MoEEpLayer
+    from ..reference import moe_reference
+    from ..weights import ExpertWeights
+    x, idx, wts, w13, w2 = S.make_layer_inputs(c)
+    alg, lay = c["layout"]
+    cfg = EpConfig(c["E"], c["K"], c["H"], c["I"], max(c["B"], 1), algorithm=alg, layout=lay,
+                   weight_format=c["wf"], activation_format=c["af"])
+    weights = ExpertWeights(w13.to(dev), w2.to(dev), c["wf"])
+    out = MoEEpLayer(cfg, weights)(x.to(dev), idx.to(dev), wts.to(dev))
+    d13, d2 = weights.dense()
+    ref = moe_reference(x, idx, wts, d13.cpu(), d2.cpu())
+    assert tuple(out.shape) == tuple(x.shape), f"layer output shape {tuple(out.shape)} != {tuple(x.shape)}"
+    tol = LAYER_NVFP4_TOL if c["af"] == "nvfp4" else LAYER_TOL
+    assert_rel_close(out, ref, torch.ones(c["B"], dtype=torch.bool), tol, "layer")
+
+
+class Property(NamedTuple):
+    """A target: the strategy of its cases for given :class:`~.strategies.Bounds`, and its check."""
+
+    cases: Callable
+    check: Callable[[dict, torch.device], object]
+
+
+PROPERTIES = {
+    "quantize": Property(S.quant_cases, check_quantize),
+    "dequantize": Property(S.quant_cases, check_dequantize),
+    "gather_quantize": Property(S.quant_cases, check_gather_quantize),
+    "grouped_gemm": Property(S.gemm_cases, check_grouped_gemm),
+    "expert_mlp": Property(lambda b: S.gemm_cases(b, mlp=True), check_expert_mlp),
+    "route": Property(S.route_cases, check_route),
+    "permute": Property(S.route_cases, check_permute),
+    "unpermute_reduce": Property(S.route_cases, check_unpermute_reduce),
+    "layer": Property(S.layer_cases, check_layer),
+}

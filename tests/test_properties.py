@@ -1,0 +1,79 @@
+"""The shared property checks (moe_ep.testing.properties) can fail: each passes on the real kernel and fails on
+the same kernel with a planted fault (one code, one value, one count or one padding row off)."""
+
+import pytest
+
+import moe_ep.layer
+from moe_ep import kernels
+from moe_ep.kernels import bridge, nvfp4
+from moe_ep.testing import properties as P
+
+QUANT = dict(rows=3, k=32, kind="normal", dtype="bfloat16", given_scale=False, gather=4, seed=1)
+GEMM = dict(G=2, K=32, N=16, counts=[3, 2], ragged=True, x_fmt="bf16", w_fmt="bf16", swiglu=False, row_scale=False,
+            pad=2, m_hint=None, scale=1.0, zero_frac=0.0, seed=3)
+ROUTE = dict(L=3, K=2, M=5, kind="random", group=None, H=16, weighted=True, dtype="int64", seed=4)
+LAYER = dict(E=2, K=1, H=32, I=16, B=3, layout=("ht", "flat"), wf="bf16", af="bf16", routing="random", seed=5)
+
+
+def _flip_a_code(f):
+    def wrong(*a, **k):
+        q = f(*a, **k)
+        q.data[..., 0] ^= 1
+        return q
+    return wrong
+
+
+def _bump_a_value(f):
+    def wrong(*a, **k):
+        out = f(*a, **k)
+        out.view(-1)[0] += 1.0
+        return out
+    return wrong
+
+
+def _write_a_padding_row(f):
+    def wrong(*a, **k):
+        out = f(*a, **k)
+        out[-1] = 0
+        return out
+    return wrong
+
+
+def _miscount(f):
+    def wrong(*a, **k):
+        r = f(*a, **k)
+        r.counts[0] += 1
+        return r
+    return wrong
+
+
+def _scale_the_forward(f):
+    return lambda self, *a, **k: f(self, *a, **k) * 1.5
+
+
+FAULTS = [  # (check, case, where the kernel lives, its name there, the fault, what the failure says)
+    (P.check_quantize, QUANT, nvfp4, "quantize_nvfp4", _flip_a_code, "E2M1 codes"),
+    (P.check_gather_quantize, QUANT, nvfp4, "gather_quantize_nvfp4", _flip_a_code, "E2M1 codes"),
+    (P.check_dequantize, QUANT, nvfp4, "dequantize_nvfp4", _bump_a_value, "dequantized values"),
+    (P.check_grouped_gemm, GEMM, kernels, "grouped_gemm", _bump_a_value, "relative error"),
+    (P.check_grouped_gemm, GEMM, kernels, "grouped_gemm", _write_a_padding_row, "outside the experts' counts"),
+    (P.check_expert_mlp, dict(GEMM, swiglu=True), kernels, "expert_mlp", _bump_a_value, "relative error"),
+    (P.check_route, ROUTE, bridge, "route_experts", _miscount, "route counts differs"),
+    (P.check_permute, ROUTE, bridge, "permute_rows", _bump_a_value, "permuted rows"),
+    (P.check_unpermute_reduce, ROUTE, bridge, "unpermute_reduce", _bump_a_value, "relative error"),
+    (P.check_layer, LAYER, moe_ep.layer.MoEEpLayer, "forward", _scale_the_forward, "relative error"),
+]
+
+
+@pytest.mark.parametrize("check, case, where, name, fault, says", FAULTS,
+                         ids=[f"{c.__name__}-{f.__name__.strip('_')}" for c, _, _, _, f, _ in FAULTS])
+def test_check_passes_on_the_kernel_and_fails_on_a_planted_fault(dev, monkeypatch, check, case, where, name, fault,
+                                                                  says):
+    check(case, dev)
+    monkeypatch.setattr(where, name, fault(getattr(where, name)))
+    with pytest.raises(AssertionError, match=says):
+        check(case, dev)
+
+
+def test_every_property_has_a_planted_fault():
+    assert {c for c, *_ in FAULTS} == {p.check for p in P.PROPERTIES.values()}
