@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from .config import SUPPORTED_LAYOUTS
+from ..config import SUPPORTED_LAYOUTS
 
 
 @dataclass(frozen=True)
