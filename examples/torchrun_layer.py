@@ -24,10 +24,10 @@ EXPERTS, TOP_K, HIDDEN, INTER, TOKENS = 8, 2, 64, 32, 4  # small: on a CPU the k
 
 def main() -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        dist.init_process_group("nccl" if cuda else "gloo")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:  # more ranks than GPUs share them, over gloo (nccl takes one rank per GPU)
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % gpus)
+        dist.init_process_group("nccl" if gpus >= int(os.environ["LOCAL_WORLD_SIZE"]) else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
