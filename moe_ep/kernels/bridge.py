@@ -295,8 +295,8 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
     if M and H:
         y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        autotuning.launch(_unpermute_reduce_kernel, grid, y2, route.slot, weights if weights is not None else y2, out, M, H,
-                      K, y2.stride(0), HAS_W=weights is not None)
+        autotuning.launch(_unpermute_reduce_kernel, grid, y2, route.slot, weights if weights is not None else y2, out,
+                          M, H, K, y2.stride(0), HAS_W=weights is not None)
     return out
 
 

@@ -340,9 +340,9 @@ def _launch_quantize(x2, idx, gs, R, K, rows_per_gs, out_shape, swizzle):
         scales = torch.empty(*out_shape[:-1], K // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
-        autotuning.launch(_quantize_kernel, grid, x2, idx if idx is not None else x2, gs, data, scales.view(torch.uint8),
-                      R, K, x2.stride(0), rows_per_gs, max(slice_rows, 1), slice_cp, autotuning.size_bucket(K),
-                      HAS_IDX=idx is not None, SWIZZLE=swizzle)
+        autotuning.launch(_quantize_kernel, grid, x2, idx if idx is not None else x2, gs, data,
+                          scales.view(torch.uint8), R, K, x2.stride(0), rows_per_gs, max(slice_rows, 1), slice_cp,
+                          autotuning.size_bucket(K), HAS_IDX=idx is not None, SWIZZLE=swizzle)
     return NvFp4Tensor(data, scales, gs, torch.Size(out_shape), swizzle)
 
 
@@ -416,7 +416,7 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
         autotuning.launch(_dequantize_kernel, grid, q.data, q.scales.view(torch.uint8), gs, out, R, K, rows_per_gs,
-                      max(slice_rows, 1), slice_cp, autotuning.size_bucket(K), SWIZZLE=q.swizzled)
+                          max(slice_rows, 1), slice_cp, autotuning.size_bucket(K), SWIZZLE=q.swizzled)
     return out
 
 

@@ -29,7 +29,8 @@ Prefill shapes with bf16 weights in the ragged layout also have TMA configs (``T
 x and weight tiles come by tensor descriptors instead of per-thread pointer loads, gate and up tiles are two
 loads into two accumulators, and a persistent grid of as many programs as fit on the GPU walks the device-side
 tile count (:func:`_tma_tiles`), so a program's next tile starts without a new launch wave: fewer instructions
-per loaded byte than pointer loads at prefill sizes (docs/PERF.md). The masked layout keeps pointer loads: a TMA box would read an expert's padding rows.
+per loaded byte than pointer loads at prefill sizes (docs/PERF.md). The masked layout keeps pointer loads: a TMA
+box would read an expert's padding rows.
 
 :func:`expert_mlp` chains its two GEMMs for decode shapes with bf16 weights (``chain.py``): GEMM1 counts its finished
 tiles per expert, GEMM2 (a programmatic dependent launch on Hopper and newer) waits per expert instead of for all of
