@@ -109,7 +109,7 @@ def test_decoded_nvfp4_operands_match_reference(dev, c):
 @pytest.mark.parametrize("layout", ["masked", "ragged"])
 @pytest.mark.parametrize("x_fmt", ["bf16", "nvfp4", "nvfp4_rows"])
 def test_decoded_nvfp4_same_bits_as_decoding_in_the_loop(dev, layout, x_fmt):
-    """The decoded weight copy holds exactly the values the K loop decodes (fp4_mma.decode_nvfp4), up to a power of
+    """The decoded weight copy holds exactly the values the K loop decodes (fp4_decode.decode_nvfp4), up to a power of
     two that the global scale takes back: with the same tiles the two paths give the same bits. Below the bucket the K
     loop decodes the weights; NVFP4 x is decoded to a copy at every size."""
     cfg = dict(_TMA, TMA=False, BLOCK_K=64)
@@ -214,7 +214,7 @@ def test_expert_mlp_matches_reference(dev, c):
 
 @pytest.mark.parametrize("layout", ["masked", "ragged"])
 def test_expert_mlp_chain(dev, monkeypatch, layout):
-    """Decode-sized calls chain GEMM2 onto GEMM1 (kernels/chain.py): GEMM1 counts exactly its tiles per expert
+    """Decode-sized calls chain GEMM2 onto GEMM1 (grouped_gemm/chain.py): GEMM1 counts exactly its tiles per expert
     (none for an empty one), GEMM2 is told GEMM1's tiling, and the result has the same bits as with the chain off."""
     links = []
     monkeypatch.setattr(launcher, "Link", lambda *a, **k: links.append(chain.Link(*a, **k)) or links[-1])
