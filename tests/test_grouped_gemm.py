@@ -301,8 +301,8 @@ def test_every_config_of_the_space_matches_reference(dev, monkeypatch, i):
         out = torch.full((*x.shape[:-1], N), float("nan"), dtype=torch.bfloat16, device=dev)
         try:
             grouped_gemm(xk, w, **idx, swiglu=swiglu, row_scale=rs, out=out, m_hint=64, config=cfg)
-        except Exception as e:  # noqa: BLE001  (bf16 weight tiles are 4x NVFP4's: some configs fit NVFP4 only)
-            if type(e).__name__ == "OutOfResources":
+        except Exception as e:  # noqa: BLE001  (bf16 weight tiles are 4x NVFP4's: some configs fit NVFP4 only; the
+            if type(e).__name__ == "OutOfResources" or "bytes of shared memory" in str(e):  # plan's check says so
                 continue
             raise
         ref = grouped_gemm_ref(xr, wr, **idx, swiglu=swiglu, row_scale=rs)
