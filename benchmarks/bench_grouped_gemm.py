@@ -17,11 +17,11 @@ file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-import contextlib
 
 import torch  # noqa: E402
 

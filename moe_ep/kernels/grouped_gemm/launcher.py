@@ -121,7 +121,8 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
     check(shape13 is not None and len(shape13) == 3, "w13.shape", shape13, "[G, 2I, H]")
     check(shape2 is not None and len(shape2) == 3, "w2.shape", shape2, "[G, H, I]")
     G, I2, H = shape13
-    check(shape2 == (G, H, I2 // 2), "w2.shape", shape2, f"{(G, H, I2 // 2)} (from w13 {shape13})")
+    if shape2 != (G, H, I2 // 2):
+        fail("w2.shape", shape2, f"{(G, H, I2 // 2)} (from w13 {shape13})")
     _check_m_hint(m_hint)
     # bf16 weights at decode shapes: GEMM2 waits for GEMM1's tiles expert by expert, not for all of GEMM1 (chain.py).
     # Not prefill and not NVFP4 weights: neither waits on DRAM (docs/PERF.md). Not as a dependent launch when out
@@ -216,23 +217,27 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint) -> _Call:
     G, NW, K = wshape
     check(G >= 1, "w.shape[0] (G)", G, ">= 1")
     check(K >= 16 and K % 16 == 0, "w.shape[2] (K)", K, "a positive multiple of 16")
-    check(xshape[-1] == K, "x.shape[-1]", xshape[-1], f"{K} (w's K)")
+    if xshape[-1] != K:
+        fail("x.shape[-1]", xshape[-1], f"{K} (w's K)")
     check(NW >= 1 and (not swiglu or NW % 2 == 0), "w.shape[1] (N)", NW,
           "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
     dev = xd.device
     if x_fp4:
         n_rows = xd.numel() // (K // 2)
-        check(xgs.numel() in (1, n_rows), "x.global_scale.shape", tuple(x.global_scale.shape),
-              f"a scalar, or one per row ({n_rows} = {tuple(xshape[:-1])})")
+        if xgs.numel() not in (1, n_rows):
+            fail("x.global_scale.shape", tuple(x.global_scale.shape),
+                 f"a scalar, or one per row ({n_rows} = {tuple(xshape[:-1])})")
     if w_fp4:
-        check(wgs.numel() in (1, G), "w.global_scale.shape", tuple(w.global_scale.shape), f"[{G}] (one per expert)")
+        if wgs.numel() not in (1, G):
+            fail("w.global_scale.shape", tuple(w.global_scale.shape), f"[{G}] (one per expert)")
         wgs = wgs.expand(G).contiguous()
     if ragged:
         S, M_max = xshape[0], 0
         idx = _index(offsets, "offsets", G + 1, dev)
         rows_shape = (S,)
     else:
-        check(xshape[0] == G, "x.shape[0]", xshape[0], f"{G} (w's number of experts G)")
+        if xshape[0] != G:
+            fail("x.shape[0]", xshape[0], f"{G} (w's number of experts G)")
         S, M_max = G * xshape[1], xshape[1]
         idx = _index(counts, "counts", G, dev)
         rows_shape = (G, M_max)
@@ -240,17 +245,20 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint) -> _Call:
     if row_scale is not None:
         check(isinstance(row_scale, torch.Tensor) and row_scale.dtype == torch.float32, "row_scale.dtype",
               getattr(row_scale, "dtype", type(row_scale).__name__), "torch.float32")
-        check(tuple(row_scale.shape) == rows_shape, "row_scale.shape", tuple(row_scale.shape), str(rows_shape))
-        check(row_scale.device == dev, "row_scale.device", str(row_scale.device), str(dev))
+        if tuple(row_scale.shape) != rows_shape:
+            fail("row_scale.shape", tuple(row_scale.shape), str(rows_shape))
+        if row_scale.device != dev:
+            fail("row_scale.device", str(row_scale.device), str(dev))
         row_scale = row_scale.contiguous()
     if out is None:
         out = torch.empty(*rows_shape, N, dtype=torch.bfloat16, device=dev)
     elif out is not _NO_OUT:
         check(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16, "out.dtype",
               getattr(out, "dtype", type(out).__name__), "torch.bfloat16")
-        check(tuple(out.shape) == (*rows_shape, N), "out.shape", tuple(out.shape), str((*rows_shape, N)))
-        check(out.device == dev and out.is_contiguous(), "out", f"{out.device}, contiguous={out.is_contiguous()}",
-              f"a contiguous tensor on {dev}")
+        if tuple(out.shape) != (*rows_shape, N):
+            fail("out.shape", tuple(out.shape), str((*rows_shape, N)))
+        if out.device != dev or not out.is_contiguous():
+            fail("out", f"{out.device}, contiguous={out.is_contiguous()}", f"a contiguous tensor on {dev}")
     return _Call(xd, xs, xgs, xshape, x_fp4, wd, ws, wgs, wshape, w_fp4, idx, ragged, swiglu, row_scale, out, G, N, K,
                  M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
 
@@ -263,37 +271,49 @@ def _check_m_hint(m_hint) -> None:
 def _operand(t, name: str, dims: int, what: str):
     """(data, scales bytes, global scale, logical shape, is_fp4) of a bf16 tensor or an NvFp4Tensor."""
     dev = kernel_device()
-    if isinstance(t, NvFp4Tensor):
-        check(not t.swizzled, f"{name}.swizzled", t.swizzled, "False (linear scales)")
+    if isinstance(t, NvFp4Tensor):  # (messages are built only on failure: this runs on every call)
+        if t.swizzled:
+            fail(f"{name}.swizzled", t.swizzled, "False (linear scales)")
         for part in ("data", "scales", "global_scale"):
             v = getattr(t, part)
             if not isinstance(v, torch.Tensor):
                 fail(f"type({name}.{part})", type(v).__name__, "a torch.Tensor")
-        check(len(t.shape) == dims, f"{name}.shape", tuple(t.shape), what)
-        check(t.data.dtype == torch.uint8 and tuple(t.data.shape) == (*t.shape[:-1], t.shape[-1] // 2),
-              f"{name}.data", f"{t.data.dtype} {tuple(t.data.shape)}", f"uint8 {(*t.shape[:-1], t.shape[-1] // 2)}")
-        check(t.scales.dtype == torch.float8_e4m3fn and tuple(t.scales.shape) == (*t.shape[:-1], t.shape[-1] // 16),
-              f"{name}.scales", f"{t.scales.dtype} {tuple(t.scales.shape)}",
-              f"float8_e4m3fn {(*t.shape[:-1], t.shape[-1] // 16)}")
-        check(t.global_scale.dtype == torch.float32, f"{name}.global_scale.dtype", t.global_scale.dtype,
-              "torch.float32")
+        shape = tuple(t.shape)
+        if len(shape) != dims:
+            fail(f"{name}.shape", shape, what)
+        if t.data.dtype != torch.uint8 or tuple(t.data.shape) != (*shape[:-1], shape[-1] // 2):
+            fail(f"{name}.data", f"{t.data.dtype} {tuple(t.data.shape)}", f"uint8 {(*shape[:-1], shape[-1] // 2)}")
+        if t.scales.dtype != torch.float8_e4m3fn or tuple(t.scales.shape) != (*shape[:-1], shape[-1] // 16):
+            fail(f"{name}.scales", f"{t.scales.dtype} {tuple(t.scales.shape)}",
+                 f"float8_e4m3fn {(*shape[:-1], shape[-1] // 16)}")
+        if t.global_scale.dtype != torch.float32:
+            fail(f"{name}.global_scale.dtype", t.global_scale.dtype, "torch.float32")
         for part in ("data", "scales", "global_scale"):
             d = getattr(t, part).device
-            check(d.type == dev.type, f"{name}.{part}.device", str(d), f"{dev.type} (where the kernels run here)")
+            if d.type != dev.type:
+                fail(f"{name}.{part}.device", str(d), f"{dev.type} (where the kernels run here)")
         return (t.data.contiguous(), t.scales.contiguous().view(torch.uint8), t.global_scale.reshape(-1).contiguous(),
                 tuple(t.shape), True)
-    check(isinstance(t, torch.Tensor), f"type({name})", type(t).__name__, "a bf16 torch.Tensor or an NvFp4Tensor")
-    check(t.dtype == torch.bfloat16, f"{name}.dtype", t.dtype, "torch.bfloat16 (or an NvFp4Tensor)")
-    check(t.dim() == dims, f"{name}.shape", tuple(t.shape), what)
-    check(t.device.type == dev.type, f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
+    if not isinstance(t, torch.Tensor):
+        fail(f"type({name})", type(t).__name__, "a bf16 torch.Tensor or an NvFp4Tensor")
+    if t.dtype != torch.bfloat16:
+        fail(f"{name}.dtype", t.dtype, "torch.bfloat16 (or an NvFp4Tensor)")
+    if t.dim() != dims:
+        fail(f"{name}.shape", tuple(t.shape), what)
+    if t.device.type != dev.type:
+        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
     return t.contiguous(), None, None, tuple(t.shape), False
 
 
 def _index(t, name: str, length: int, dev) -> torch.Tensor:
-    check(isinstance(t, torch.Tensor), f"type({name})", type(t).__name__, "a torch.Tensor")
-    check(t.dtype in (torch.int32, torch.int64), f"{name}.dtype", t.dtype, "torch.int32 or torch.int64")
-    check(tuple(t.shape) == (length,), f"{name}.shape", tuple(t.shape), f"({length},)")
-    check(t.device == dev, f"{name}.device", str(t.device), str(dev))
+    if not isinstance(t, torch.Tensor):
+        fail(f"type({name})", type(t).__name__, "a torch.Tensor")
+    if t.dtype not in (torch.int32, torch.int64):
+        fail(f"{name}.dtype", t.dtype, "torch.int32 or torch.int64")
+    if tuple(t.shape) != (length,):
+        fail(f"{name}.shape", tuple(t.shape), f"({length},)")
+    if t.device != dev:
+        fail(f"{name}.device", str(t.device), str(dev))
     return t.contiguous()
 
 
