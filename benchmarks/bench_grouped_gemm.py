@@ -19,26 +19,23 @@ From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from unittest import mock
-
-if "--quick" in sys.argv:
-    os.environ.setdefault("MOE_EP_AUTOTUNE_QUICK", "1")
 
 import torch  # noqa: E402
 
 import moe_ep  # noqa: E402,F401  (before triton)
 import triton  # noqa: E402
 from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
-from moe_ep.kernels import dequantize_nvfp4, tuning  # noqa: E402
+from moe_ep import device_facts, options  # noqa: E402
+from moe_ep.kernels import dequantize_nvfp4  # noqa: E402
+from moe_ep.kernels.grouped_gemm import config_space  # noqa: E402
 from moe_ep.commands.common import routed_offsets, uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 
-gg = sys.modules["moe_ep.kernels.grouped_gemm"]
-chain = sys.modules["moe_ep.kernels.chain"]
 
 BW = 4.8e12
 FLOPS = 795e12
@@ -62,27 +59,24 @@ def torch_mlp(x, w13t, w2t, offs_end, inter):
 
 
 def warm(x, w13, w2, idx, m, table):
-    """Autotune both GEMMs (first call) and return the configs that won."""
-    won = []
-    h = grouped_gemm(x, w13, swiglu=True, m_hint=m, **idx)
-    won.append(dict(gg.last_launch))
-    grouped_gemm(h, w2, m_hint=m, **idx)
-    won.append(dict(gg.last_launch))
+    """Autotune both GEMMs (first call) and return their plans (with the configs that won)."""
+    h, plan1 = grouped_gemm(x, w13, swiglu=True, m_hint=m, **idx, return_plan=True)
+    won = [plan1, grouped_gemm(h, w2, m_hint=m, **idx, return_plan=True)[1]]
     n1, k1 = w13.shape[1] // 2, w13.shape[2]
     n2, k2 = w2.shape[1], w2.shape[2]
     fp4 = not isinstance(w13, torch.Tensor)
     for (n, k, sw), c in zip(((n1, k1, True), (n2, k2, False)), won):
-        if c.get("config") and not any(c.get("decoded", ())):  # (decoded NVFP4 operands run bf16 tiles)
-            cfg = {k_: c["config"][k_] for k_ in (*tuning.GEMM_PARAMS, "TMA", "num_warps", "num_stages")}
-            table.setdefault(tuning.shape_class(n, k, fp4, sw), {})[str(tuning.m_bucket(m))] = cfg
+        if c.config and not any(c.decoded):  # (decoded NVFP4 operands run bf16 tiles)
+            cfg = {k_: c.config[k_] for k_ in config_space.CONFIG_KEYS}
+            table.setdefault(config_space.shape_class(n, k, fp4, sw), {})[str(config_space.m_bucket(m))] = cfg
     return won
 
 
 def short(c):
-    if not c or not c.get("config"):
+    if not c or not c.config:
         return "-"
-    k = c["config"]
-    return (f"{'dec:' if any(c.get('decoded', ())) else ''}"  # NVFP4 operands decoded to bf16 first
+    k = c.config
+    return (f"{'dec:' if any(c.decoded) else ''}"  # NVFP4 operands decoded to bf16 first
             f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}{'t' if k.get('TMA') else ''}"
             f"/w{k['num_warps']}s{k['num_stages']}")
 
@@ -115,8 +109,8 @@ def run_row(name, E, H, I, tpe, table):
     ours = expert_mlp(x, w13, w2, offsets=offs)
     row["ours_bf16_us"] = time_graph(lambda: expert_mlp(x, w13, w2, offsets=offs)) * 1e6
     row["rel_err_bf16"] = rel_err(ours, peer) if peer is not None else float("nan")
-    if tpe <= tuning.DECODE_MAX_M:  # the same with the GEMM1 -> GEMM2 chain off (one GEMM after the other)
-        with mock.patch.dict(os.environ, {chain.CHAIN_ENV: "off"}):  # the caller's own setting comes back after
+    if tpe <= config_space.DECODE_MAX_M:  # the same with the GEMM1 -> GEMM2 chain off (one GEMM after the other)
+        with options.override(gemm_chain=False):  # the caller's own setting comes back after
             row["ours_bf16_unchained_us"] = time_graph(lambda: expert_mlp(x, w13, w2, offsets=offs)) * 1e6
     routed = routed_offsets(E, tpe, dev) if tpe <= ROUTED_MAX else None
     if routed is not None:
@@ -163,21 +157,22 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     dev_name = torch.cuda.get_device_name()
-    print(f"device {dev_name}, {tuning.sm_count()} SMs, triton {triton.__version__}, torch {torch.__version__}",
+    print(f"device {dev_name}, {device_facts.sm_count()} SMs, triton {triton.__version__}, torch {torch.__version__}",
           flush=True)
     rows, table = [], {}
-    for name, (E, H, I, tpes) in MODELS.items():
-        for tpe in tpes:
-            if args.quick and tpe not in QUICK[name]:
-                continue
-            r = run_row(name, E, H, I, tpe, table)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+    with options.override(autotune_quick=True) if args.quick else contextlib.nullcontext():  # bounded search
+        for name, (E, H, I, tpes) in MODELS.items():
+            for tpe in tpes:
+                if args.quick and tpe not in QUICK[name]:
+                    continue
+                r = run_row(name, E, H, I, tpe, table)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": dev_name, "rows": rows}, f, indent=1)
     if args.write_configs:
         os.makedirs(args.write_configs, exist_ok=True)
-        path = os.path.join(args.write_configs, tuning.device_name() + ".json")
+        path = os.path.join(args.write_configs, device_facts.device_name() + ".json")
         with open(path, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
         print("tuned configs ->", path)

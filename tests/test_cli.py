@@ -84,39 +84,39 @@ def test_presets_match_the_models():
 
 
 def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch, capsys):
-    from moe_ep.kernels import grouped_gemm, tuning
-    gg = sys.modules["moe_ep.kernels.grouped_gemm"]
-    monkeypatch.setenv("MOE_EP_CONFIG_DIR", str(tmp_path))
-    rc = main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "64",
-               "--report", str(tmp_path / "report.json")])
-    assert rc == 0
-    path = tmp_path / f"{tuning.device_name()}.json"
-    table = json.loads(path.read_text())
-    key = tuning.shape_class(32, 64, False, True)
-    cfg = table[key]["64"]
-    assert json.loads((tmp_path / "report.json").read_text())["shapes"][0]["best"] == cfg
+    from moe_ep import device_facts, options
+    from moe_ep.kernels import grouped_gemm
+    from moe_ep.kernels.grouped_gemm.config_space import config_dict, grouped_gemm_configs, shape_class
+    with options.override(config_dir=str(tmp_path)):  # the folder the tune run writes and the kernels read
+        rc = main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "64",
+                   "--report", str(tmp_path / "report.json")])
+        assert rc == 0
+        path = tmp_path / f"{device_facts.device_name()}.json"
+        table = json.loads(path.read_text())
+        key = shape_class(32, 64, False, True)
+        cfg = table[key]["64"]
+        assert json.loads((tmp_path / "report.json").read_text())["shapes"][0]["best"] == cfg
 
-    def run_kernel():
-        dev = device()
-        x = torch.randn(128, 64, device=dev).to(torch.bfloat16)
-        w = torch.randn(2, 64, 64, device=dev).to(torch.bfloat16)
-        grouped_gemm(x, w, offsets=torch.tensor([0, 64, 128], device=dev), swiglu=True, m_hint=64)
-        return gg.last_launch
+        def run_kernel():
+            dev = device()
+            x = torch.randn(128, 64, device=dev).to(torch.bfloat16)
+            w = torch.randn(2, 64, 64, device=dev).to(torch.bfloat16)
+            return grouped_gemm(x, w, offsets=torch.tensor([0, 64, 128], device=dev), swiglu=True, m_hint=64,
+                                return_plan=True)[1]
 
-    launch = run_kernel()
-    assert launch["source"] == "tuned-file" and launch["config"] == cfg
-    # the kernels read the file, not a cached answer: plant the other config of the space there
-    other = next(c for c in tuning.grouped_gemm_configs() if c.kwargs["BLOCK_M"] != cfg["BLOCK_M"])
-    from moe_ep.kernels.tuning import config_dict
-    table[key]["64"] = config_dict(other)
-    path.write_text(json.dumps(table))
-    os.utime(path, (1, 1))  # a different mtime (the loader caches per mtime)
-    assert run_kernel()["config"] == config_dict(other)
-    # resumable: a rerun skips the shape already in the file
-    capsys.readouterr()
-    assert main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "64"]) == 0
-    assert "skipped" in capsys.readouterr().out
-    assert json.loads(path.read_text())[key]["64"] == config_dict(other)
+        launch = run_kernel()
+        assert launch.config_source == "tuned-file" and launch.config == cfg
+        # the kernels read the file, not a cached answer: plant the other config of the space there
+        other = next(c for c in grouped_gemm_configs() if c.kwargs["BLOCK_M"] != cfg["BLOCK_M"])
+        table[key]["64"] = config_dict(other)
+        path.write_text(json.dumps(table))
+        os.utime(path, (1, 1))  # a different mtime (the loader caches per mtime)
+        assert run_kernel().config == config_dict(other)
+        # resumable: a rerun skips the shape already in the file
+        capsys.readouterr()
+        assert main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "64"]) == 0
+        assert "skipped" in capsys.readouterr().out
+        assert json.loads(path.read_text())[key]["64"] == config_dict(other)
 
 
 def test_routed_offsets_spread_rows_around_the_mean():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ["nvfp4", "grouped_gemm", "fp4_mma", "bridge"]
+KERNEL_MODULES = ["nvfp4", "grouped_gemm.kernels", "grouped_gemm.fp4_decode", "bridge"]
 
 SCRIPT = r"""
 import importlib, sys
@@ -29,7 +29,7 @@ print(f"{len(checks)} variants compiled for sm_{cc}")
 """
 
 # Every config of the grouped GEMM's GPU space, built as a launch builds it (16-byte aligned pointers and strides:
-# that is what lets Triton pipeline the loads through shared memory), against tuning.smem_bytes, the estimate the
+# that is what lets Triton pipeline the loads through shared memory), against config_space.smem_bytes, the estimate the
 # autotune prune drops configs by. Formats and epilogues rotate over the configs.
 SMEM_SCRIPT = r"""
 import importlib, sys
@@ -37,14 +37,14 @@ import moe_ep
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moe_ep.kernels import tuning
-gg = importlib.import_module("moe_ep.kernels.grouped_gemm")
+from moe_ep.kernels.grouped_gemm import config_space
+gg = importlib.import_module("moe_ep.kernels.grouped_gemm.kernels")
 cc = int(sys.argv[1])
 kernel, base_sig, base_const = gg._compile_checks()[0]
 aligned = ["x_ptr", "xgs_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "rs_ptr", "cnt_ptr", "ready_ptr", "N", "K",
            "KQ", "K16"]
 worst = 0.0
-for i, c in enumerate(tuning.grouped_gemm_configs()):
+for i, c in enumerate(config_space.grouped_gemm_configs()):
     kw = c.kwargs
     w_fp4, swiglu = (False, i % 2 == 0) if kw["TMA"] else (i % 4 >= 2, i % 2 == 0)
     sig, const = dict(base_sig), dict(base_const)
@@ -63,8 +63,8 @@ for i, c in enumerate(tuning.grouped_gemm_configs()):
     attrs = {(kernel.arg_names.index(a), ): [["tt.divisibility", 16]] for a in aligned}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", cc, 32),
                        options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
-    est, real = tuning.smem_bytes(tuning.config_dict(c), swiglu, w_fp4), k.metadata.shared
-    assert real <= est <= 1.35 * real + tuning.SMEM_SLACK, (kw, c.num_stages, w_fp4, swiglu, real, est)
+    est, real = config_space.smem_bytes(config_space.config_dict(c), swiglu, w_fp4), k.metadata.shared
+    assert real <= est <= 1.35 * real + config_space.SMEM_SLACK, (kw, c.num_stages, w_fp4, swiglu, real, est)
     worst = max(worst, est / real)
 print(f"smem estimate: {i + 1} configs within it, at most {worst:.2f}x the compiled size")
 """
@@ -87,6 +87,6 @@ def test_kernels_compile_for_sm90_and_sm100(module, cc):
 
 @pytest.mark.parametrize("cc", [90, 100], ids=["sm_90", "sm_100"])
 def test_smem_estimate_bounds_every_config_of_the_space(cc):
-    """tuning.smem_bytes is at least what each config's build takes (so a pruned list only holds configs that fit)
+    """config_space.smem_bytes is at least what each config's build takes (so a pruned list only holds configs that fit)
     and not far above it (so the prune does not drop configs that would fit)."""
     assert "within it" in _run(SMEM_SCRIPT, str(cc))

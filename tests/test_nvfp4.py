@@ -137,16 +137,16 @@ def test_per_slice_global_scale(dev):
 
 
 def test_search_off_runs_the_first_config_untimed(dev, monkeypatch):
-    from moe_ep.kernels import nvfp4, tuning
-    monkeypatch.setenv(tuning.SEARCH_ENV, "off")
+    from moe_ep import options
+    from moe_ep.kernels import nvfp4
     kernel = nvfp4._quantize_kernel
     monkeypatch.setattr(kernel, "cache", {})  # every key new: a search would time configs and fill it
     x = torch.randn(5, 48 * 16)
     gs = nvfp4_global_scale(x.to(dev))
-    q = quantize_nvfp4(x.to(dev), gs)
-    assert_same_codes(q, x, gs.cpu())
-    assert kernel.cache == {}  # nothing was timed
-    monkeypatch.setenv(tuning.SEARCH_ENV, "on")
+    with options.override(autotune="off"):
+        q = quantize_nvfp4(x.to(dev), gs)
+        assert_same_codes(q, x, gs.cpu())
+        assert kernel.cache == {}  # nothing was timed
     quantize_nvfp4(x.to(dev), gs)
     assert len(kernel.cache) == 1  # the check above can fail: with the search on, the key is timed
 

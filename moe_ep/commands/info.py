@@ -30,8 +30,9 @@ def transports() -> list[dict]:
 def tuned_configs() -> dict:
     """Tuned-config folders searched (in order), the file for this device and what each file covers."""
     try:
-        from ..kernels import tuning
-        dirs, dev_name = tuning.config_dirs(), tuning.device_name()
+        from ..device_facts import device_name
+        from ..kernels.grouped_gemm.tuned_files import config_dirs
+        dirs, dev_name = config_dirs(), device_name()
     except (ImportError, AttributeError) as e:
         return dict(device_name=None, dirs=[], files=[], note=f"no tuned-config loader in this build ({e})")
     files = []

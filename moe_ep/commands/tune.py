@@ -3,30 +3,31 @@
 Shapes per preset (L local experts, hidden H, intermediate I): GEMM1 ``[*, H] x [L, 2I, H]`` with the SwiGLU
 epilogue and GEMM2 ``[*, I] x [L, H, I]``, for each weight format (``--formats``); x is bf16 (NVFP4 x is decoded
 to a bf16 copy before the GEMM, so it runs the same tiles). Token buckets are tokens per expert (``--buckets``): the
-tuned-config file's inner key (``moe_ep.kernels.tuning.m_bucket``). The rows of a bucket of m tokens per expert are
-spread over the experts as routing spreads them (``--counts routed``, the default: each row's expert drawn at
+tuned-config file's inner key (``moe_ep.kernels.grouped_gemm.config_space.m_bucket``). The rows of a bucket of m
+tokens per expert are spread over the experts as routing spreads them (``--counts routed``, the default: each row's expert drawn at
 random, so counts vary around m), not exactly m each (``--counts uniform``): the best tile height depends on that
 spread.
 
-The candidates are exactly the kernels' own space, ``tuning.grouped_gemm_configs()`` pruned by
-``tuning.prune_grouped_gemm_configs`` for the shape class, the same list ``triton.autotune`` would try.
-Each is timed explicitly (forced through the launcher's tuned-config hook, then ``do_bench``), not through
+The candidates are exactly the kernels' own space, ``config_space.grouped_gemm_configs()`` pruned by
+``config_space.prune_grouped_gemm_configs`` for the shape class, the same list ``triton.autotune`` would try.
+Each is timed explicitly (launched with ``grouped_gemm(..., config=)``, then timed), not through
 ``triton.autotune``; a config that fails to compile or run is skipped. The best is written to
 ``<dir>/<device name>.json`` in the loader's format (``{shape_class: {bucket: config}}``), after each shape,
 atomically, so an interrupted run loses nothing and a rerun skips what is already there (``--force`` redoes
-it). ``<dir>``: ``--out-dir``, else ``$MOE_EP_CONFIG_DIR``, else the package's ``moe_ep/kernels/configs``.
-Nothing here assumes an architecture: the device name and the config space come from the kernels' module.
+it). ``<dir>``: ``--out-dir``, else ``$MOE_EP_CONFIG_DIR``, else the package's ``moe_ep/kernels/grouped_gemm/configs``.
+Nothing here assumes an architecture: the device name and the config space come from the kernels' package.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
 import torch
 
+from .. import device_facts, options
 from ..errors import MoEEpConfigError
+from ..kernels.grouped_gemm import config_space, grouped_gemm, tuned_files
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
                      routed_offsets, uniform_offsets, write_json)
@@ -35,7 +36,7 @@ from .timing import sync, time_call
 FORMATS = ("bf16", "nvfp4")
 GEMMS = ("gemm1", "gemm2")
 COUNTS = ("routed", "uniform")
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA", "num_warps", "num_stages")
+CONFIG_KEYS = config_space.CONFIG_KEYS
 
 
 def add_arguments(parser) -> None:
@@ -48,7 +49,7 @@ def add_arguments(parser) -> None:
                         help="rows per expert: routed (drawn at random around the bucket) or uniform (exactly it)")
     parser.add_argument("--gemms", default="gemm1,gemm2", help="which GEMMs: gemm1 (SwiGLU), gemm2")
     parser.add_argument("--out-dir", default=None, help="folder for <device>.json (default: $MOE_EP_CONFIG_DIR, "
-                        "else the package's moe_ep/kernels/configs)")
+                        "else the package's moe_ep/kernels/grouped_gemm/configs)")
     parser.add_argument("--max-seconds-per-shape", type=float, default=60.0,
                         help="stop trying configs for a shape after this long (at least one is tried)")
     parser.add_argument("--max-seconds", type=float, default=None,
@@ -58,35 +59,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--report", default=None, help="also write every timing to this JSON file")
 
 
-def _kernels():
-    import importlib
-    try:  # (the package exports a function of the same name: import the module itself)
-        gg = importlib.import_module("moe_ep.kernels.grouped_gemm")
-        tuning = importlib.import_module("moe_ep.kernels.tuning")
-    except ImportError as e:
-        raise MoEEpConfigError(f"grouped GEMM kernels = missing ({e}); allowed: a build with "
-                               "moe_ep.kernels.grouped_gemm") from None
-    for name in ("grouped_gemm_configs", "prune_grouped_gemm_configs", "shape_class", "device_name",
-                 "config_dirs", "m_bucket", "tuned_gemm_config", "config_dict", "tma_supported"):
-        if not hasattr(tuning, name):
-            raise MoEEpConfigError(f"moe_ep.kernels.tuning.{name} = missing; allowed: the tuned-config API")
-    return gg, tuning
-
-
-@contextlib.contextmanager
-def forced_config(tuning, cfg: dict):
-    """Make the grouped GEMM launcher take ``cfg`` (through its tuned-config lookup) inside the block."""
-    orig = tuning.tuned_gemm_config
-    tuning.tuned_gemm_config = lambda *a, **k: dict(cfg)
-    try:
-        yield
-    finally:
-        tuning.tuned_gemm_config = orig
-
-
-def out_dir(args, tuning) -> str:
-    return args.out_dir or os.environ.get(getattr(tuning, "CONFIG_DIR_ENV", "MOE_EP_CONFIG_DIR")) or \
-        os.path.join(os.path.dirname(tuning.__file__), "configs")
+def out_dir(args) -> str:
+    return args.out_dir or options.current().config_dir or tuned_files.SHIPPED_DIR
 
 
 def shapes(preset, gemms, formats, buckets) -> list[dict]:
@@ -114,33 +88,32 @@ def _operands(s, dev, counts: str):
     return x, w, (routed_offsets if counts == "routed" else uniform_offsets)(G, m, dev)
 
 
-def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev, counts: str = "routed") -> dict:
+def tune_shape(s: dict, budget_s: float, rep_ms: float, dev, counts: str = "routed") -> dict:
     """Time each candidate config of shape ``s`` until ``budget_s``; the best and every timing."""
-    cands = tuning.prune_grouped_gemm_configs(tuning.grouped_gemm_configs(),
-                                              {"M_BUCKET": tuning.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
-                                               "G": s["G"], "SWIGLU": s["swiglu"],
-                                               "TMA_OK": not s["w_fp4"] and tuning.tma_supported()},
-                                              SWIGLU=s["swiglu"], W_FP4=s["w_fp4"])
+    cands = config_space.prune_grouped_gemm_configs(
+        config_space.grouped_gemm_configs(), {"M_BUCKET": config_space.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
+                                              "G": s["G"], "SWIGLU": s["swiglu"],
+                                              "TMA_OK": not s["w_fp4"] and device_facts.tma_supported()},
+        SWIGLU=s["swiglu"], W_FP4=s["w_fp4"])
     x, w, offsets = _operands(s, dev, counts)
-    fn = lambda: gg.grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])  # noqa: E731
     t_start, timings, best = time.perf_counter(), [], None
     for i, c in enumerate(cands):
         if i and time.perf_counter() - t_start > budget_s:
             break
-        cfg = tuning.config_dict(c)
-        with forced_config(tuning, cfg):
-            try:
-                fn()  # compiles
-                sync()
-                launched = getattr(gg, "last_launch", {}).get("config")
-                if launched is not None and {k: launched.get(k) for k in CONFIG_KEYS} != cfg:
-                    raise MoEEpConfigError(f"grouped_gemm launched {launched}; allowed: the forced config {cfg}")
-                t = time_call(fn, rep_ms=rep_ms, warmup_ms=5.0)
-            except MoEEpConfigError:
-                raise
-            except Exception as e:  # noqa: BLE001  (a config that cannot compile or run here is skipped)
-                timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
-                continue
+        cfg = config_space.config_dict(c)
+        fn = lambda cfg=cfg: grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"],  # noqa: E731
+                                          config=cfg, return_plan=True)
+        try:
+            _, plan = fn()  # compiles
+            sync()
+            if plan.config_source != "forced" or {k: plan.config.get(k) for k in CONFIG_KEYS} != cfg:
+                raise MoEEpConfigError(f"grouped_gemm launched {plan.config}; allowed: the forced config {cfg}")
+            t = time_call(fn, rep_ms=rep_ms, warmup_ms=5.0)
+        except MoEEpConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a config that cannot compile or run here is skipped)
+            timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+            continue
         timings.append(dict(config=cfg, us=t * 1e6))
         if best is None or t < best[0]:
             best = (t, cfg)
@@ -149,24 +122,23 @@ def tune_shape(s: dict, gg, tuning, budget_s: float, rep_ms: float, dev, counts:
 
 
 def run(args) -> int:
-    gg, tuning = _kernels()
     names = name_list(args.presets or args.preset, "--presets", PRESETS)
     presets = [preset_from_args(args, n) for n in names]
     buckets = int_list(args.buckets or ("16" if INTERPRETER else "8,16,32,64,128,256,512,1024,2048"), "--buckets")
     todo = [s for p in presets for s in shapes(p, name_list(args.gemms, "--gemms", GEMMS),
                                                name_list(args.formats, "--formats", FORMATS), buckets)]
-    folder = out_dir(args, tuning)
-    path = os.path.join(folder, tuning.device_name() + ".json")
+    folder = out_dir(args)
+    path = os.path.join(folder, device_facts.device_name() + ".json")
     dev = device()
-    print(f"tuning {len(todo)} shape(s) on {tuning.device_name()} into {path}")
-    if os.path.abspath(folder) not in [os.path.abspath(d) for d in tuning.config_dirs()]:
+    print(f"tuning {len(todo)} shape(s) on {device_facts.device_name()} into {path}")
+    if os.path.abspath(folder) not in [os.path.abspath(d) for d in tuned_files.config_dirs()]:
         print(f"note: the kernels do not search {folder}; run them with MOE_EP_CONFIG_DIR={folder}")
     t0, rows, report, stopped = time.perf_counter(), [], [], False
     with progress("tune", len(todo)) as advance:
         for s in todo:
-            key = tuning.shape_class(s["N"], s["K"], s["w_fp4"], s["swiglu"])
+            key = config_space.shape_class(s["N"], s["K"], s["w_fp4"], s["swiglu"])
             label = f"{s['preset']} {s['gemm']} {key} m={s['bucket']}"
-            table = tuning.load_config_file(path)  # re-read: another process may have added shapes
+            table = tuned_files.load_config_file(path)  # re-read: another process may have added shapes
             if not args.force and str(s["bucket"]) in table.get(key, {}):
                 rows.append([s["preset"], key, s["bucket"], "skipped (already tuned)", "", ""])
                 advance(label + " (skip)")
@@ -176,10 +148,10 @@ def run(args) -> int:
                 rows.append([s["preset"], key, s["bucket"], "not tuned (--max-seconds)", "", ""])
                 advance(label + " (time budget spent)")
                 continue
-            r = tune_shape(s, gg, tuning, args.max_seconds_per_shape, args.rep_ms, dev, args.counts)
+            r = tune_shape(s, args.max_seconds_per_shape, args.rep_ms, dev, args.counts)
             report.append(dict(shape=s, shape_class=key, **r))
             if r["best"] is not None:
-                table = tuning.load_config_file(path)
+                table = tuned_files.load_config_file(path)
                 table.setdefault(key, {})[str(s["bucket"])] = r["best"]
                 write_json(path, table)
             best = r["best"]
@@ -191,7 +163,7 @@ def run(args) -> int:
             advance(label)
     print_table(f"tuned configs -> {path}", ["preset", "shape class", "bucket", "best config", "us", "tried"], rows)
     if args.report:
-        write_json(args.report, dict(device=tuning.device_name(), file=path, shapes=report))
+        write_json(args.report, dict(device=device_facts.device_name(), file=path, shapes=report))
     if stopped:
         print("time budget spent: rerun the same command to tune the remaining shapes")
     failed = [r for r in report if r["best"] is None]

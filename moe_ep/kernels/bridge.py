@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..errors import check
 from ..triton_runtime import INTERPRETER
-from . import tuning
+from . import autotuning
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4
 
 _ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
@@ -243,7 +243,7 @@ def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> t
     if N and H:
         x2 = x if x.stride(1) == 1 else x.contiguous()
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        tuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot, route.offsets[-1:], out, N, H, x2.stride(0))
+        autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot, route.offsets[-1:], out, N, H, x2.stride(0))
     return out
 
 
@@ -295,8 +295,8 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
     if M and H:
         y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        tuning.launch(_unpermute_reduce_kernel, grid, y2, route.slot, weights if weights is not None else y2, out, M, H,
-                      K, y2.stride(0), HAS_W=weights is not None)
+        autotuning.launch(_unpermute_reduce_kernel, grid, y2, route.slot, weights if weights is not None else y2, out,
+                          M, H, K, y2.stride(0), HAS_W=weights is not None)
     return out
 
 

@@ -22,7 +22,7 @@ from ..errors import MoEEpInputError, check
 from ..reference import (NVFP4_BLOCK, nvfp4_global_scale_ref, swizzle_scales_ref, swizzled_scale_shape,
                          unswizzle_scales_ref)
 from ..triton_runtime import COMPILED, device as kernel_device
-from . import tuning
+from . import autotuning
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -177,7 +177,7 @@ def unpack_signs(x, ASM: tl.constexpr):
         return xf, pack_nibbles((xf.to(tl.uint32, bitcast=True) >> 28) & 8, 0)
 
 
-@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
+@triton.autotune(configs=autotuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0, "ONE_GS": lambda a: a["rows_per_gs"] >= a["R"]})
 @triton.jit(do_not_specialize=_ROW_COUNTS)
 def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_per_gs, slice_rows, slice_cp,
@@ -233,7 +233,7 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_
     tl.store(s_ptr + s_off, s_byte, mask=mask)
 
 
-@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
+@triton.autotune(configs=autotuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
 @triton.jit(do_not_specialize=_ROW_COUNTS)
 def _dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, R, K, rows_per_gs, slice_rows, slice_cp, K_BUCKET,
                        SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -340,9 +340,9 @@ def _launch_quantize(x2, idx, gs, R, K, rows_per_gs, out_shape, swizzle):
         scales = torch.empty(*out_shape[:-1], K // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
-        tuning.launch(_quantize_kernel, grid, x2, idx if idx is not None else x2, gs, data, scales.view(torch.uint8),
-                      R, K, x2.stride(0), rows_per_gs, max(slice_rows, 1), slice_cp, tuning.size_bucket(K),
-                      HAS_IDX=idx is not None, SWIZZLE=swizzle)
+        autotuning.launch(_quantize_kernel, grid, x2, idx if idx is not None else x2, gs, data,
+                          scales.view(torch.uint8), R, K, x2.stride(0), rows_per_gs, max(slice_rows, 1), slice_cp,
+                          autotuning.size_bucket(K), HAS_IDX=idx is not None, SWIZZLE=swizzle)
     return NvFp4Tensor(data, scales, gs, torch.Size(out_shape), swizzle)
 
 
@@ -415,8 +415,8 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     _, slice_rows, slice_cp = _scale_layout(shape, q.swizzled, R)
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
-        tuning.launch(_dequantize_kernel, grid, q.data, q.scales.view(torch.uint8), gs, out, R, K, rows_per_gs,
-                      max(slice_rows, 1), slice_cp, tuning.size_bucket(K), SWIZZLE=q.swizzled)
+        autotuning.launch(_dequantize_kernel, grid, q.data, q.scales.view(torch.uint8), gs, out, R, K, rows_per_gs,
+                          max(slice_rows, 1), slice_cp, autotuning.size_bucket(K), SWIZZLE=q.swizzled)
     return out
 
 

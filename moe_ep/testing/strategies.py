@@ -92,7 +92,7 @@ def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
     (masked or ragged), operand formats, SwiGLU / row-scale epilogues, padding rows, value scale, and the
     tokens-per-expert hint that picks the tiles (at ``DECODED_MIN_M``, NVFP4 weights are decoded to bf16 first, as
     NVFP4 x always is)."""
-    from ..kernels.tuning import DECODED_MIN_M
+    from ..kernels.grouped_gemm.config_space import DECODED_MIN_M
     G = draw(st.integers(1, b.experts))
     return dict(
         G=G, K=16 * draw(st.integers(1, b.k16)), N=16 * draw(st.integers(1, b.n16)),

@@ -8,15 +8,14 @@ weights, as soon as GEMM1's programs leave them. That cannot deadlock: a depende
 GEMM1 program has started, so no GEMM1 tile ever waits for an SM that a waiting GEMM2 program holds. GEMM2 ends with
 ``griddepcontrol.wait``, so its completion still implies GEMM1's, as with a plain launch.
 
-Measured on the H200 (docs/PERF.md): bf16-weight decode 0.3-0.6% faster (DeepSeek-V3, Mixtral), 1.4-1.8%
-(Qwen3-30B-A3B). NVFP4-weight decode moved -1.8 to +0.6% (it is bound by instructions, not DRAM), and prefill was 1%
-slower (its tensor cores run at the power cap, so idle SMs in GEMM1's last round cost little). So
-:func:`~moe_ep.kernels.expert_mlp` chains decode-sized calls with bf16 weights only, which never take the TMA tiles.
+It pays where the GEMMs wait on DRAM: bf16-weight decode. NVFP4-weight decode is bound by instructions and prefill by
+the tensor cores at the power cap (idle SMs in GEMM1's last round cost little), so
+:func:`~moe_ep.kernels.expert_mlp` chains decode-sized calls with bf16 weights only, which never take the TMA tiles
+(measurements: docs/PERF.md).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..triton_runtime import COMPILED, INTERPRETER
-from . import tuning
-
-CHAIN_ENV = "MOE_EP_GEMM_CHAIN"  # "off": GEMM2 waits for the whole of GEMM1 (a plain launch after it)
+from ... import device_facts, options
+from ...triton_runtime import COMPILED, INTERPRETER
 
 
 @triton.jit
@@ -65,13 +62,13 @@ def finish_dependent(PDL: tl.constexpr, WAIT: tl.constexpr):
 
 
 def enabled() -> bool:
-    """Whether the expert MLP chains its GEMMs (``MOE_EP_GEMM_CHAIN=off`` turns it off, read at every call)."""
-    return os.environ.get(CHAIN_ENV, "on").lower() not in ("off", "0", "false")
+    """Whether the expert MLP chains its GEMMs (the ``gemm_chain`` option: ``MOE_EP_GEMM_CHAIN=off`` turns it off)."""
+    return options.current().gemm_chain
 
 
 def dependent_launch_supported() -> bool:
     """Whether PDL (``griddepcontrol``) is available: a Hopper or newer GPU, not the interpreter."""
-    return not INTERPRETER and tuning.hopper_or_newer()
+    return not INTERPRETER and device_facts.hopper_or_newer()
 
 
 @dataclass

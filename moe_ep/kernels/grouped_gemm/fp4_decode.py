@@ -1,4 +1,4 @@
-"""NVFP4 weights decoded in registers for a bf16 MMA (Hopper has no FP4 tensor cores; used on Blackwell too).
+"""NVFP4 operands decoded to bf16: in registers for a bf16 MMA (Hopper has no FP4 tensor cores; used on Blackwell too).
 
 A weight tile arrives as int16 words of 4 E2M1 codes plus their E4M3 block-scale bytes; :func:`fp4_tile` turns it
 into bf16 values ``e2m1 * s * 2^-8`` (exact in bf16) by 3 integer ops and one bf16x2 fma per register pair (inline
@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_runtime import COMPILED
-from . import tuning
-from .nvfp4 import e4m3_values_of_bytes
+from ... import device_facts
+from ...triton_runtime import COMPILED
+from ..autotuning import launch, nvfp4_configs, size_bucket
+from ..nvfp4 import e4m3_values_of_bytes
 
 
 # Two int16 words of 4 codes ($4: e0 low, e1 high) -> 4 bf16x2 registers, $i = code i of e0 and of e1: mask, one
@@ -96,7 +97,7 @@ def fp4_value(code, scale):
     return (h.to(tl.float32) * (scale * 16384.0)).to(tl.bfloat16)
 
 
-@triton.autotune(configs=tuning.nvfp4_configs(), key=["K_BUCKET", "MASKED"])
+@triton.autotune(configs=nvfp4_configs(), key=["K_BUCKET", "MASKED"])
 @triton.jit(do_not_specialize=["R", "G", "M_MAX"])
 def _decode_kernel(q_ptr, s_ptr, out_ptr, cnt_ptr, R, K, KQ, K16, G, M_MAX, K_BUCKET, MASKED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -107,7 +108,7 @@ def _decode_kernel(q_ptr, s_ptr, out_ptr, cnt_ptr, R, K, KQ, K16, G, M_MAX, K_BU
         split = tl.num_programs(0) // G
         g = tl.program_id(0) // split
         first = g.to(tl.int64) * M_MAX
-        n_rows = tl.load(cnt_ptr + g)
+        n_rows = tl.minimum(tl.maximum(tl.load(cnt_ptr + g), 0), M_MAX)  # counts past M_max: all rows, no more
         r0 = tl.program_id(0) % split * BLOCK_M
         step = split * BLOCK_M
     else:
@@ -148,11 +149,11 @@ def decode_nvfp4(data: torch.Tensor, scales: torch.Tensor, shape, counts: torch.
         blocks = triton.cdiv(m_max, meta["BLOCK_M"])
         if not masked:
             return blocks
-        return G * min(blocks, max(1, 4 * tuning.sm_count() // (G * triton.cdiv(K, meta["BLOCK_K"]))))
+        return G * min(blocks, max(1, 4 * device_facts.sm_count() // (G * triton.cdiv(K, meta["BLOCK_K"]))))
 
     grid = lambda meta: (row_programs(meta), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
-    tuning.launch(_decode_kernel, grid, data, scales, out, counts if masked else data, R, K, K // 4, K // 16, G, m_max,
-                  tuning.size_bucket(K), masked)
+    launch(_decode_kernel, grid, data, scales, out, counts if masked else data, R, K, K // 4, K // 16, G, m_max,
+                  size_bucket(K), masked)
     return out
 
 

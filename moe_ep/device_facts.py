@@ -1,0 +1,63 @@
+"""Facts about the current CUDA device that the kernels' launchers decide by (cached: a property query costs tens
+of microseconds, too much per kernel call). Without CUDA, or under Triton's interpreter, each has a stated answer."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import torch
+
+from .triton_runtime import INTERPRETER
+
+
+@lru_cache(maxsize=16)
+def _props(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def properties():
+    """The current CUDA device's properties, read once per device (None without CUDA)."""
+    return _props(torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def hopper_or_newer() -> bool:
+    """Whether the current CUDA device is Hopper (compute capability 9.0) or newer; False without CUDA."""
+    props = properties()
+    return props is not None and props.major >= 9
+
+
+def tma_supported() -> bool:
+    """Whether bf16 tiles can be loaded by TMA here: Hopper or newer (or the interpreter, which runs the same
+    tensor-descriptor code)."""
+    return INTERPRETER or hopper_or_newer()
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (1 without CUDA)."""
+    props = properties()
+    return props.multi_processor_count if props is not None else 1
+
+
+def smem_per_sm() -> int:
+    """Shared memory of one multiprocessor in bytes (1 without CUDA)."""
+    props = properties()
+    return props.shared_memory_per_multiprocessor if props is not None else 1
+
+
+def smem_limit() -> int | None:
+    """Shared memory one program may use on the current GPU (the opt-in maximum, which Triton checks a compiled kernel
+    against: 227 KB on H100/H200/B200, 99 KB on sm_89/sm_120 cards); None without one (the interpreter has none)."""
+    props = properties()
+    return None if INTERPRETER or props is None else props.shared_memory_per_block_optin
+
+
+def device_name() -> str:
+    """File-name form of the current device's name, e.g. ``NVIDIA_H200`` (``cpu`` without CUDA)."""
+    props = properties()
+    return _file_name(props.name if props is not None else "cpu")
+
+
+@lru_cache(maxsize=16)
+def _file_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip())

@@ -1,0 +1,329 @@
+"""The grouped GEMM's entry points: check the call, make its plan (``plan.py``), launch what the plan says.
+
+No host sync anywhere: the schedule comes from the device-side counts / offsets inside the kernel, so a call can be
+captured in a CUDA graph once its config is known (tuned file, first config, or autotuned on an earlier call).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ...errors import check, fail
+from ...triton_runtime import device as kernel_device
+from ..nvfp4 import NvFp4Tensor
+from . import config_space, kernels, plan as plans, schedule
+from .chain import Link, dependent_launch_supported
+from .chain import enabled as chain_enabled
+from .config_space import DECODE_MAX_M, m_bucket
+from .fp4_decode import decode_nvfp4
+from .plan import GemmPlan
+
+
+@dataclass
+class _Call:
+    """A checked call: contiguous operands and the sizes the plan is made from."""
+    xd: torch.Tensor
+    xs: torch.Tensor | None
+    xgs: torch.Tensor | None
+    xshape: tuple
+    x_fp4: bool
+    wd: torch.Tensor
+    ws: torch.Tensor | None
+    wgs: torch.Tensor | None
+    wshape: tuple
+    w_fp4: bool
+    idx: torch.Tensor
+    ragged: bool
+    swiglu: bool
+    row_scale: torch.Tensor | None
+    out: torch.Tensor
+    G: int
+    N: int
+    K: int
+    M_max: int
+    S: int
+    m: int
+
+
+def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                 swiglu: bool = False, row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 m_hint: int | None = None, config: dict | None = None, return_plan: bool = False):
+    """Grouped GEMM ``y_g = x_g @ w_g^T`` per expert g, fp32 accumulation, bf16 output.
+
+    Layouts (exactly one of ``counts`` / ``offsets``, int32/int64 on x's device; no host sync, so the call
+    can be captured in a CUDA graph once autotuning has run for its shape):
+
+    - masked: ``x [G, M_max, K]``, ``counts [G]``; returns ``[G, M_max, N]``. Rows ``>= counts[g]`` are
+      never read or written (the output is allocated with ``torch.empty``: they hold garbage). Counts are
+      clamped to ``[0, M_max]`` on the device: a count past M_max (an int64 of 2^31 or more included) means all
+      rows, a negative one none.
+    - ragged: ``x [S, K]`` sorted by expert, ``offsets [G+1]``; rows ``offsets[g]:offsets[g+1]`` belong to expert
+      g. Returns ``[S, N]``; rows outside every expert are not written. Precondition: offsets nondecreasing, in
+      ``[0, S]`` (``expert_offsets`` of the bridge are). Checking that would cost a host sync, so the kernel
+      instead clamps offsets to ``[0, S]`` and takes their running maximum on the device: whatever the values,
+      every row belongs to at most one expert and no row past S is touched (an expert whose offsets go backwards
+      loses the rows an earlier expert owns).
+
+    ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales; one global scale, or one per row as
+    received NVFP4 tokens carry their source rank's). ``w``: bf16 ``[G, N, K]``,
+    or an NvFp4Tensor of that shape (linear scales, global scale ``[G]``, one per expert). K % 16 == 0.
+    NVFP4 x is decoded into a transient bf16 copy first (as large as bf16 x; masked: only the rows within the
+    counts are decoded), and so are NVFP4 weights from 512 tokens per expert on (``MOE_EP_DECODED_MIN_M``: another
+    bucket, or off); the GEMM then multiplies bf16 tiles: faster than decoding in every tile that reads them.
+    ``swiglu`` (bool): w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
+    ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
+    per row of x (``[G, M_max]`` / ``[S]``), applied to the output row (the routing weight).
+    ``out``: optional bf16 contiguous output to write into. ``m_hint``: expected tokens per expert (a positive
+    int), to pick the tuned config (default: M_max when masked, ceil(S / G) when ragged).
+    ``config``: a tile config to launch instead of choosing one (``moe-ep tune``; the tuned-file schema).
+    ``return_plan``: return ``(out, plan)``, the :class:`GemmPlan` of what was launched (an autotuned config
+    included). Bad arguments raise MoEEpInputError, a bad config MoEEpConfigError.
+    """
+    call = _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint)
+    p = _plan(call, None, config)
+    p = _launch(call, p, None)
+    return (call.out, p) if return_plan else call.out
+
+
+def plan_grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                      swiglu: bool = False, row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      m_hint: int | None = None, config: dict | None = None) -> GemmPlan:
+    """The :class:`GemmPlan` :func:`grouped_gemm` would launch with these arguments, without launching (the same
+    checks and errors; an autotuned config is None here: it is picked at the launch)."""
+    if out is None:  # the plan does not depend on the output buffer: no need to allocate one
+        out = _NO_OUT
+    return _plan(_check(x, w, counts, offsets, swiglu, row_scale, out, m_hint), None, config)
+
+
+_NO_OUT = object()
+
+
+def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+               row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               m_hint: int | None = None, return_plan: bool = False):
+    """Expert SwiGLU MLP ``(silu(x W1^T) * (x W3^T)) W2^T`` per expert: two grouped GEMMs, bf16 in between.
+
+    ``w13 [G, 2I, H]`` (gate rows then up rows) and ``w2 [G, H, I]``: bf16 tensors or NvFp4Tensors (global
+    scale per expert). ``x``, ``counts`` / ``offsets`` (and their clamping), ``row_scale`` (applied to the output of
+    the second GEMM), ``out`` and ``m_hint`` as in :func:`grouped_gemm`. Returns bf16 ``[G, M_max, H]`` (masked;
+    rows past the counts untouched) or ``[S, H]`` (ragged); with ``return_plan``, ``(out, (plan1, plan2))``.
+
+    Decode-sized calls (up to 32 tokens per expert) with bf16 weights chain the two GEMMs: GEMM2 starts on an expert
+    as soon as GEMM1 has finished that expert's tiles (``chain.py``; ``MOE_EP_GEMM_CHAIN=off`` turns it off).
+    """
+    shape13 = tuple(w13.shape) if isinstance(w13, (torch.Tensor, NvFp4Tensor)) else None
+    shape2 = tuple(w2.shape) if isinstance(w2, (torch.Tensor, NvFp4Tensor)) else None
+    check(shape13 is not None and len(shape13) == 3, "w13.shape", shape13, "[G, 2I, H]")
+    check(shape2 is not None and len(shape2) == 3, "w2.shape", shape2, "[G, H, I]")
+    G, I2, H = shape13
+    if shape2 != (G, H, I2 // 2):
+        fail("w2.shape", shape2, f"{(G, H, I2 // 2)} (from w13 {shape13})")
+    _check_m_hint(m_hint)
+    # bf16 weights at decode shapes: GEMM2 waits for GEMM1's tiles expert by expert, not for all of GEMM1 (chain.py).
+    # Not prefill and not NVFP4 weights: neither waits on DRAM (docs/PERF.md). Not as a dependent launch when out
+    # shares memory with x: GEMM2 would write it while GEMM1 still reads other experts' rows.
+    xshape = tuple(x.shape) if isinstance(x, (torch.Tensor, NvFp4Tensor)) else ()
+    decode = len(xshape) in (2, 3) and G >= 1 and \
+        m_bucket(_tokens_per_expert(xshape, offsets is not None, G, m_hint)) <= DECODE_MAX_M
+    chained = decode and isinstance(w13, torch.Tensor) and chain_enabled()
+    first = Link(pdl=dependent_launch_supported()) if chained else None
+    call1 = _check(x, w13, counts, offsets, True, None, None, m_hint)
+    p1 = _launch(call1, _plan(call1, first, None), first)
+    h = call1.out
+    second = None
+    if first is not None and p1.config is not None:  # chained, and GEMM1 had rows
+        second = Link(first.ready, (p1.config["BLOCK_M"], triton.cdiv(I2 // 2, p1.config["BLOCK_N"])),
+                      first.pdl and not _shares_memory(out, x))
+    call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint)
+    p2 = _launch(call2, _plan(call2, second, None), second)
+    return (call2.out, (p1, p2)) if return_plan else call2.out
+
+
+def _plan(call: _Call, link: Link | None, config: dict | None) -> GemmPlan:
+    chain = "none" if link is None else ("counts" if link.wait is None else "waits")
+    return plans.decide(ragged=call.ragged, x_fp4=call.x_fp4, w_fp4=call.w_fp4, swiglu=call.swiglu,
+                        row_scale=call.row_scale is not None, G=call.G, N=call.N, K=call.K, M_max=call.M_max,
+                        S=call.S, m=call.m, chain=chain, pdl=link is not None and link.pdl, config=config)
+
+
+def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
+    """Launch plan ``p`` for call ``c``; the plan as launched (an autotuned one with the autotuner's pick)."""
+    if p.config_source == "no-launch":
+        return p
+    xd, wd, K = c.xd, c.wd, c.K
+    if p.x_decoded:
+        xd = decode_nvfp4(xd, c.xs, c.xshape, None if c.ragged else c.idx)
+    if p.w_decoded:
+        wd = decode_nvfp4(wd, c.ws, c.wshape)
+    w_tiles_fp4 = c.w_fp4 and not p.w_decoded
+    if p.tma_possible:  # descriptor bases must be 16-byte aligned (rows are: K % 16 == 0); a view at an odd offset
+        xd = xd if xd.data_ptr() % 16 == 0 else xd.clone()  # is copied
+        wd = wd if wd.data_ptr() % 16 == 0 else wd.clone()
+    dummy = xd
+    xgs_stride = int(c.x_fp4 and c.xgs.numel() > 1)  # per-row global scales (received NVFP4 tokens)
+    args = (xd, c.xgs if p.x_decoded else dummy, xgs_stride, wd, c.ws if w_tiles_fp4 else dummy,
+            c.wgs if c.w_fp4 else dummy, c.out, c.row_scale if c.row_scale is not None else dummy, c.idx)
+    ragged, G, M_max, S, N, swiglu = c.ragged, c.G, c.M_max, c.S, c.N, c.swiglu
+
+    def programs(meta):
+        return (schedule.grid_size(meta, ragged, G, M_max, S, N, swiglu),)
+
+    def descriptors():  # tile shapes set per config (config_space.set_tma_blocks)
+        return (TensorDescriptor.from_tensor(xd.view(-1, K), [16, 32]),
+                TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32]))
+
+    flags = dict(RAGGED=ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, SWIGLU=swiglu,
+                 HAS_RS=c.row_scale is not None, BLOCK_G=max(triton.next_power_of_2(G), 2),
+                 SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
+    chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
+    if link is not None:
+        if link.ready is None:
+            link.ready = torch.zeros(G, dtype=torch.int32, device=c.out.device)
+        chain_args = (link.ready, *(link.wait or (1, 1)))
+        link.pdl = p.pdl  # timed configs run one after another: a searched GEMM1 is followed by a plain launch
+        link.launched = args
+    tail = (*chain_args, G, M_max, N, K, S, K // 4, K // 16, p.m_bucket)
+    if p.config is not None:
+        descs = (None, None)
+        if p.config["TMA"]:
+            descs = descriptors()
+            config_space.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **p.config))
+        pdl = dict(launch_pdl=True) if p.pdl and p.chain == "waits" else {}  # GEMM2 as GEMM1's dependent
+        kernels.launch_kernel[programs](*args, *descs, *tail, **flags, **p.config, **pdl)
+        return p
+    kernels.autotuned_kernel[programs](*args, *(descriptors() if p.tma_possible else (None, None)), *tail, **flags)
+    best = getattr(kernels.autotuned_kernel, "best_config", None)
+    return plans.autotuned(p, config_space.config_dict(best) if best is not None else None)
+
+
+def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint) -> _Call:
+    """The call's arguments checked (MoEEpInputError naming the argument, its value and what is allowed) and made
+    contiguous; ``out`` allocated when None."""
+    check((counts is None) != (offsets is None), "(counts, offsets)",
+          ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
+          "exactly one of counts (masked layout) or offsets (ragged layout)")
+    if type(swiglu) is not bool:
+        fail("swiglu", swiglu, "True or False")
+    _check_m_hint(m_hint)
+    ragged = offsets is not None
+    xd, xs, xgs, xshape, x_fp4 = _operand(x, "x", 2 if ragged else 3,
+                                          "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
+    wd, ws, wgs, wshape, w_fp4 = _operand(w, "w", 3, "[G, N, K]")
+    G, NW, K = wshape
+    check(G >= 1, "w.shape[0] (G)", G, ">= 1")
+    check(K >= 16 and K % 16 == 0, "w.shape[2] (K)", K, "a positive multiple of 16")
+    if xshape[-1] != K:
+        fail("x.shape[-1]", xshape[-1], f"{K} (w's K)")
+    check(NW >= 1 and (not swiglu or NW % 2 == 0), "w.shape[1] (N)", NW,
+          "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
+    dev = xd.device
+    if x_fp4:
+        n_rows = xd.numel() // (K // 2)
+        if xgs.numel() not in (1, n_rows):
+            fail("x.global_scale.shape", tuple(x.global_scale.shape),
+                 f"a scalar, or one per row ({n_rows} = {tuple(xshape[:-1])})")
+    if w_fp4:
+        if wgs.numel() not in (1, G):
+            fail("w.global_scale.shape", tuple(w.global_scale.shape), f"[{G}] (one per expert)")
+        wgs = wgs.expand(G).contiguous()
+    if ragged:
+        S, M_max = xshape[0], 0
+        idx = _index(offsets, "offsets", G + 1, dev)
+        rows_shape = (S,)
+    else:
+        if xshape[0] != G:
+            fail("x.shape[0]", xshape[0], f"{G} (w's number of experts G)")
+        S, M_max = G * xshape[1], xshape[1]
+        idx = _index(counts, "counts", G, dev)
+        rows_shape = (G, M_max)
+    N = NW // 2 if swiglu else NW
+    if row_scale is not None:
+        check(isinstance(row_scale, torch.Tensor) and row_scale.dtype == torch.float32, "row_scale.dtype",
+              getattr(row_scale, "dtype", type(row_scale).__name__), "torch.float32")
+        if tuple(row_scale.shape) != rows_shape:
+            fail("row_scale.shape", tuple(row_scale.shape), str(rows_shape))
+        if row_scale.device != dev:
+            fail("row_scale.device", str(row_scale.device), str(dev))
+        row_scale = row_scale.contiguous()
+    if out is None:
+        out = torch.empty(*rows_shape, N, dtype=torch.bfloat16, device=dev)
+    elif out is not _NO_OUT:
+        check(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16, "out.dtype",
+              getattr(out, "dtype", type(out).__name__), "torch.bfloat16")
+        if tuple(out.shape) != (*rows_shape, N):
+            fail("out.shape", tuple(out.shape), str((*rows_shape, N)))
+        if out.device != dev or not out.is_contiguous():
+            fail("out", f"{out.device}, contiguous={out.is_contiguous()}", f"a contiguous tensor on {dev}")
+    return _Call(xd, xs, xgs, xshape, x_fp4, wd, ws, wgs, wshape, w_fp4, idx, ragged, swiglu, row_scale, out, G, N, K,
+                 M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
+
+
+def _check_m_hint(m_hint) -> None:
+    if m_hint is not None and (not isinstance(m_hint, numbers.Integral) or isinstance(m_hint, bool) or m_hint < 1):
+        fail("m_hint", m_hint, "None or a positive int (expected tokens per expert)")
+
+
+def _operand(t, name: str, dims: int, what: str):
+    """(data, scales bytes, global scale, logical shape, is_fp4) of a bf16 tensor or an NvFp4Tensor."""
+    dev = kernel_device()
+    if isinstance(t, NvFp4Tensor):  # (messages are built only on failure: this runs on every call)
+        if t.swizzled:
+            fail(f"{name}.swizzled", t.swizzled, "False (linear scales)")
+        for part in ("data", "scales", "global_scale"):
+            v = getattr(t, part)
+            if not isinstance(v, torch.Tensor):
+                fail(f"type({name}.{part})", type(v).__name__, "a torch.Tensor")
+        shape = tuple(t.shape)
+        if len(shape) != dims:
+            fail(f"{name}.shape", shape, what)
+        if t.data.dtype != torch.uint8 or tuple(t.data.shape) != (*shape[:-1], shape[-1] // 2):
+            fail(f"{name}.data", f"{t.data.dtype} {tuple(t.data.shape)}", f"uint8 {(*shape[:-1], shape[-1] // 2)}")
+        if t.scales.dtype != torch.float8_e4m3fn or tuple(t.scales.shape) != (*shape[:-1], shape[-1] // 16):
+            fail(f"{name}.scales", f"{t.scales.dtype} {tuple(t.scales.shape)}",
+                 f"float8_e4m3fn {(*shape[:-1], shape[-1] // 16)}")
+        if t.global_scale.dtype != torch.float32:
+            fail(f"{name}.global_scale.dtype", t.global_scale.dtype, "torch.float32")
+        for part in ("data", "scales", "global_scale"):
+            d = getattr(t, part).device
+            if d.type != dev.type:
+                fail(f"{name}.{part}.device", str(d), f"{dev.type} (where the kernels run here)")
+        return (t.data.contiguous(), t.scales.contiguous().view(torch.uint8), t.global_scale.reshape(-1).contiguous(),
+                tuple(t.shape), True)
+    if not isinstance(t, torch.Tensor):
+        fail(f"type({name})", type(t).__name__, "a bf16 torch.Tensor or an NvFp4Tensor")
+    if t.dtype != torch.bfloat16:
+        fail(f"{name}.dtype", t.dtype, "torch.bfloat16 (or an NvFp4Tensor)")
+    if t.dim() != dims:
+        fail(f"{name}.shape", tuple(t.shape), what)
+    if t.device.type != dev.type:
+        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
+    return t.contiguous(), None, None, tuple(t.shape), False
+
+
+def _index(t, name: str, length: int, dev) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        fail(f"type({name})", type(t).__name__, "a torch.Tensor")
+    if t.dtype not in (torch.int32, torch.int64):
+        fail(f"{name}.dtype", t.dtype, "torch.int32 or torch.int64")
+    if tuple(t.shape) != (length,):
+        fail(f"{name}.shape", tuple(t.shape), f"({length},)")
+    if t.device != dev:
+        fail(f"{name}.device", str(t.device), str(dev))
+    return t.contiguous()
+
+
+def _tokens_per_expert(xshape, ragged: bool, G: int, m_hint: int | None) -> int:
+    """The tokens per expert a call's tuned config is picked for: ``m_hint``, else M_max (masked) or S / G (ragged)."""
+    return int(m_hint) if m_hint is not None else (triton.cdiv(xshape[0], G) if ragged else xshape[1])
+
+
+def _shares_memory(out, x) -> bool:
+    """Whether the caller's ``out`` lives in the same storage as x (or x's packed NVFP4 data)."""
+    xd = x.data if isinstance(x, NvFp4Tensor) else x
+    return (isinstance(out, torch.Tensor) and isinstance(xd, torch.Tensor)
+            and out.untyped_storage().data_ptr() == xd.untyped_storage().data_ptr())

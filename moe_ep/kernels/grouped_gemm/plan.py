@@ -1,0 +1,128 @@
+"""A grouped-GEMM call's decisions as one value, :class:`GemmPlan`: operand formats, the decoded copies, the tile
+config and where it came from, TMA, the grid, and the call's part in the expert MLP's GEMM1 -> GEMM2 chain.
+
+:func:`decide` makes it from the call's sizes and formats (no tensor is read: no host sync); the launcher launches
+exactly what it says. Before an autotuned launch its ``config`` is None (the autotuner picks at launch);
+:func:`autotuned` fills in the pick after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ... import device_facts, options
+from . import config_space, schedule, tuned_files
+from .config_space import DECODE_MAX_M, m_bucket
+
+CONFIG_SOURCES = ("tuned-file", "first-config", "autotune", "forced", "no-launch")
+CHAIN_ROLES = ("none", "counts", "waits")
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Every decision of one :func:`~moe_ep.kernels.grouped_gemm` call.
+
+    - ``layout``: "masked" or "ragged"; ``sizes``: ``(G, N, K, M_max, S)`` (N: output columns; M_max 0 when ragged;
+      S: rows of x, ``G * M_max`` when masked); ``m_bucket``: the tokens-per-expert bucket configs are keyed on.
+    - ``x_format``, ``w_format``: "bf16" or "nvfp4"; ``x_decoded``, ``w_decoded``: whether that NVFP4 operand is
+      decoded to a transient bf16 copy before the GEMM (``decoded`` is the pair).
+    - ``swiglu``, ``row_scale``: the epilogues.
+    - ``config``: the tile config launched (``BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, TMA, num_warps,
+      num_stages``), None before an autotuned launch and when nothing is launched; ``config_source``: "tuned-file"
+      (``config_file`` names it), "first-config" (``MOE_EP_AUTOTUNE=off``, untimed), "autotune", "forced" (the
+      caller's ``config=``) or "no-launch" (no rows).
+    - ``tma_possible``: TMA tiles may run here (ragged, bf16 tiles, a prefill bucket, Hopper or newer); ``tma``:
+      the launched config loads by TMA (None until an autotuned launch); ``persistent``: the grid walks the tiles
+      (TMA configs, or a masked layout with a large row capacity); ``grid``: the programs launched.
+    - ``chain``: "none", "counts" (GEMM1 of a chained expert MLP: counts its finished tiles per expert) or "waits"
+      (GEMM2: waits per expert); ``pdl``: launched as / allowing a programmatic dependent launch.
+    """
+    layout: str
+    sizes: tuple
+    m_bucket: int
+    x_format: str
+    w_format: str
+    x_decoded: bool
+    w_decoded: bool
+    swiglu: bool
+    row_scale: bool
+    config: dict | None
+    config_source: str
+    config_file: str | None
+    tma_possible: bool
+    tma: bool | None
+    persistent: bool | None
+    grid: int | None
+    chain: str = "none"
+    pdl: bool = False
+
+    @property
+    def decoded(self) -> tuple[bool, bool]:
+        return self.x_decoded, self.w_decoded
+
+    @property
+    def ragged(self) -> bool:
+        return self.layout == "ragged"
+
+
+def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: bool, G: int, N: int, K: int,
+           M_max: int, S: int, m: int, chain: str = "none", pdl: bool = False, config: dict | None = None) -> GemmPlan:
+    """The plan of a call with these sizes and formats (``m``: tokens per expert the config is chosen for).
+    ``config``: a forced tile config (checked against the tuned-file schema and this GPU's shared memory)."""
+    bucket = m_bucket(m)
+    opts = options.current()
+    x_dec = x_fp4  # NVFP4 x: always decoded once (it is small, and every column tile reads it)
+    w_dec = w_fp4 and bucket >= (opts.decoded_min_m or float("inf"))
+    w_tiles_fp4 = w_fp4 and not w_dec
+    # TMA: ragged prefill shapes with bf16 tiles, on a GPU with the tensor memory accelerator (the masked layout's
+    # boxes would read an expert's padding rows, which that layout never touches)
+    tma_possible = ragged and not w_tiles_fp4 and bucket > DECODE_MAX_M and device_facts.tma_supported()
+    base = dict(layout="ragged" if ragged else "masked", sizes=(G, N, K, M_max, S), m_bucket=bucket,
+                x_format="nvfp4" if x_fp4 else "bf16", w_format="nvfp4" if w_fp4 else "bf16", x_decoded=x_dec,
+                w_decoded=w_dec, swiglu=swiglu, row_scale=row_scale, tma_possible=tma_possible, chain=chain,
+                pdl=pdl)
+    if S == 0:
+        return GemmPlan(**dict(base, chain="none", pdl=False), config=None, config_source="no-launch",
+                        config_file=None, tma=False, persistent=False, grid=0)
+    if config is not None:
+        cfg, source, path = tuned_files.validate(config, "config", swiglu, w_tiles_fp4,
+                                                 device_facts.smem_limit()), "forced", None
+    else:
+        cfg, source, path = _choose_config(N, K, bucket, G, w_tiles_fp4, swiglu, opts, tuned_files.file_versions(),
+                                           device_facts.smem_limit(), device_facts.sm_count())
+    if cfg is None:  # the autotuner picks at launch; a chained GEMM2 follows a searched GEMM1 by a plain launch
+        return GemmPlan(**dict(base, pdl=False), config=None, config_source="autotune", config_file=None, tma=None,
+                        persistent=None, grid=None)
+    cfg = dict(cfg)
+    if cfg["TMA"] and (not tma_possible or cfg["SWAP_AB"]):  # a TMA config where TMA cannot run: the same tiles
+        cfg["TMA"] = False  # through pointer loads
+    return _with_config(GemmPlan(**base, config=None, config_source=source, config_file=path, tma=None,
+                                 persistent=None, grid=None), cfg)
+
+
+def autotuned(plan: GemmPlan, best: dict | None) -> GemmPlan:
+    """The plan of an autotuned launch once the autotuner has picked ``best`` (``config_space.config_dict`` form)."""
+    return plan if best is None else _with_config(plan, best)
+
+
+def _with_config(plan: GemmPlan, cfg: dict) -> GemmPlan:
+    G, N, K, M_max, S = plan.sizes
+    args = dict(cfg, RAGGED=plan.ragged, G=G, M_MAX=M_max, S=S, N=N, SWIGLU=plan.swiglu)
+    persistent = bool(cfg["TMA"]) or schedule.persistent_grid(args)
+    grid = schedule.grid_size(dict(cfg, PERSISTENT=persistent), plan.ragged, G, M_max, S, N, plan.swiglu)
+    return dataclasses.replace(plan, config=cfg, tma=bool(cfg["TMA"]), persistent=persistent, grid=grid)
+
+
+@lru_cache(maxsize=1024)
+def _choose_config(n, k, bucket, groups, w_fp4, swiglu, opts, versions, smem_limit, sm_count):
+    """(config, source, file) for a shape class: the tuned file's, else under ``MOE_EP_AUTOTUNE=off`` the first
+    config that suits it, else (None, "autotune", None). Keyed by everything it reads: the shape class, the options,
+    the tuned files' versions (path, mtime) and the GPU's limits (bounded: one entry per shape class met)."""
+    found = tuned_files.tuned_gemm_config(n, k, bucket, w_fp4, swiglu, versions)
+    if found is not None:
+        return found[0], "tuned-file", found[1]
+    if not opts.autotune:
+        return config_space.first_gemm_config(n, k, bucket, groups, w_fp4, swiglu), "first-config", None
+    return None, "autotune", None

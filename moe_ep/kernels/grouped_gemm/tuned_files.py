@@ -1,0 +1,136 @@
+"""Tuned-config files: ``<dir>/<device name>.json`` (``moe-ep tune`` writes them), their schema, and the lookup of
+a shape's config.
+
+File format (vLLM style): ``{shape_class: {"<tokens-per-expert bucket>": config}}``, a config being
+``{BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, num_warps, num_stages[, TMA]}`` (:data:`SCHEMA`). A lookup uses the
+nearest bucket present, nearest by ratio (with buckets 16 and 1024, 256 tokens per expert take the 1024 config, not
+the 16-token decode one). TMA (optional, default false): bf16 tiles loaded by tensor descriptors on a persistent
+grid; where TMA cannot run (NVFP4 weights, the masked layout, decode buckets, a GPU older than Hopper) the same tiles
+go through pointer loads.
+
+Every config read is checked against the schema and against this GPU's shared memory (a config too large would not
+launch); a file that breaks either raises MoEEpConfigError naming the file, the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from functools import lru_cache
+
+from ... import device_facts, options
+from ...errors import MoEEpConfigError
+from .config_space import CONFIG_KEYS, m_bucket, shape_class, smem_bytes
+
+SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def _power_of_two(v, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v <= hi and v & (v - 1) == 0
+
+
+SCHEMA = {  # key: (allowed, check); every key but TMA is required
+    "BLOCK_M": ("an int, a power of two in [16, 512]", lambda v: _power_of_two(v, 16, 512)),
+    "BLOCK_N": ("an int, a power of two in [16, 512]", lambda v: _power_of_two(v, 16, 512)),
+    "BLOCK_K": ("an int, a power of two in [32, 512]", lambda v: _power_of_two(v, 32, 512)),
+    "SWAP_AB": ("true or false", lambda v: type(v) is bool),
+    "GROUP_M": ("an int in [1, 64]", lambda v: type(v) is int and 1 <= v <= 64),
+    "TMA": ("true or false (optional, default false)", lambda v: type(v) is bool),
+    "num_warps": ("an int, a power of two in [1, 32]", lambda v: _power_of_two(v, 1, 32)),
+    "num_stages": ("an int in [1, 8]", lambda v: type(v) is int and 1 <= v <= 8),
+}
+
+
+def validate(cfg, where: str, swiglu: bool = False, w_fp4: bool = False, smem_limit: int | None = None) -> dict:
+    """A config checked against :data:`SCHEMA` (and, given ``smem_limit``, against shared memory for a shape of
+    ``swiglu`` / ``w_fp4``): the config with every key, or MoEEpConfigError naming ``where``, the key and value."""
+    if not isinstance(cfg, dict):
+        raise MoEEpConfigError(f"{where} = {cfg!r}; allowed: an object with keys {list(SCHEMA)}")
+    unknown = sorted(set(cfg) - set(SCHEMA), key=str)
+    if unknown:
+        raise MoEEpConfigError(f"{where}: keys {unknown}; allowed: only {list(SCHEMA)}")
+    for key, (allowed, ok) in SCHEMA.items():
+        if key not in cfg:
+            if key == "TMA":
+                continue
+            raise MoEEpConfigError(f"{where}.{key} = missing; allowed: {allowed}")
+        if not ok(cfg[key]):
+            raise MoEEpConfigError(f"{where}.{key} = {cfg[key]!r}; allowed: {allowed}")
+    out = {k: cfg.get(k, False) for k in CONFIG_KEYS}
+    if smem_limit is not None:
+        need = smem_bytes(out, swiglu, w_fp4)
+        if need > smem_limit:
+            raise MoEEpConfigError(f"{where} = {cfg!r}: {need} bytes of shared memory; allowed: at most {smem_limit} "
+                                   "on this GPU (smaller blocks or fewer num_stages)")
+    return out
+
+
+def config_dirs() -> list[str]:
+    """Folders searched for tuned configs: the ``config_dir`` option (``$MOE_EP_CONFIG_DIR``) first, then the
+    shipped ``configs/``."""
+    extra = options.current().config_dir
+    return ([extra] if extra else []) + [SHIPPED_DIR]
+
+
+def load_config_file(path: str) -> dict:
+    """A tuned-config file as a dict ({} when absent); one that is not a JSON object raises MoEEpConfigError (its
+    configs are checked when looked up)."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MoEEpConfigError(f"tuned-config file {path}: {e}; allowed: a JSON object (fix or remove it)") from e
+    if not isinstance(table, dict):
+        raise MoEEpConfigError(f"tuned-config file {path} = {type(table).__name__}; allowed: a JSON object")
+    return table
+
+
+@lru_cache(maxsize=16)
+def _load_file(path: str, mtime: float) -> dict:
+    return load_config_file(path)  # per modification time: re-read when tune rewrites it (bounded: old versions go)
+
+
+def file_versions() -> tuple:
+    """(path, mtime) of this device's tuned-config file in each searched folder that has one: one stat per folder, so
+    an edited file (moe-ep tune) is picked up; caches of looked-up configs key on it."""
+    found = []
+    name = device_facts.device_name() + ".json"
+    for d in config_dirs():
+        path = os.path.join(d, name)
+        try:
+            found.append((path, os.stat(path).st_mtime))
+        except OSError:
+            continue
+    return tuple(found)
+
+
+def tuned_gemm_config(n: int, k: int, m: int, w_fp4: bool, swiglu: bool, versions: tuple | None = None):
+    """``(config, file path)`` of the tuned config for this shape, or None (then the first config or autotune).
+    ``versions``: :func:`file_versions`, when the caller has them already."""
+    key, want = shape_class(n, k, w_fp4, swiglu), m_bucket(m)
+    limit = device_facts.smem_limit()
+    for path, mtime in (file_versions() if versions is None else versions):
+        cfg = _lookup(path, mtime, key, want, swiglu, w_fp4, limit)
+        if cfg is not None:
+            return dict(cfg), path
+    return None
+
+
+@lru_cache(maxsize=4096)
+def _lookup(path: str, mtime: float, key: str, want: int, swiglu: bool, w_fp4: bool, limit) -> dict | None:
+    """The checked config of ``key`` nearest to bucket ``want`` in one file version (callers copy it)."""
+    by_m = _load_file(path, mtime).get(key)
+    if not by_m:
+        return None
+    if not isinstance(by_m, dict):
+        raise MoEEpConfigError(f"{path}[{key!r}] = {by_m!r}; allowed: {{bucket: config}}")
+    buckets = {}
+    for b, c in by_m.items():
+        if not (isinstance(b, str) and b.isascii() and b.isdigit() and int(b) >= 1):
+            raise MoEEpConfigError(f"{path}[{key!r}] key {b!r}; allowed: a positive integer (tokens per expert)")
+        buckets[int(b)] = c
+    checked = {b: validate(c, f"{path}[{key!r}][{b}]", swiglu, w_fp4, limit) for b, c in buckets.items()}
+    return checked[min(checked, key=lambda b: (abs(math.log2(b / want)), b))]

@@ -1,0 +1,152 @@
+"""The ``MOE_EP_*`` environment options, parsed once per process by one rule.
+
+Every option moe-ep reads from the environment is a field of :class:`Options`:
+
+==========================  ====================  ===================================================================
+variable                    field                 values
+==========================  ====================  ===================================================================
+``MOE_EP_AUTOTUNE``         ``autotune``          on/off (bool): off = no config search, first configs untimed
+``MOE_EP_AUTOTUNE_QUICK``   ``autotune_quick``    bool: search at most 3 grouped-GEMM configs per shape class
+``MOE_EP_DECODED_MIN_M``    ``decoded_min_m``     a positive int (tokens per expert), or off (``None``: never)
+``MOE_EP_GEMM_CHAIN``       ``gemm_chain``        bool: the expert MLP chains GEMM2 onto GEMM1 at decode shapes
+``MOE_EP_CONFIG_DIR``       ``config_dir``        a folder searched for tuned configs first (``None``: unset)
+==========================  ====================  ===================================================================
+
+The rule: whitespace is stripped and case ignored; an unset or empty variable takes the default; booleans accept
+``1/0/on/off/true/false/yes/no``; anything else raises :class:`~moe_ep.errors.MoEEpConfigError` naming the variable,
+its value and what is allowed.
+
+The environment is read once, at the first :func:`current` (kernels read options on every call, so that must be
+cheap). A process that changes ``os.environ`` afterwards calls :func:`reload`; code (tools, benchmarks, tests) sets
+options for a block with :func:`override` instead of editing ``os.environ``::
+
+    with options.override(autotune="off"):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import MoEEpConfigError
+
+DEFAULT_DECODED_MIN_M = 512  # from this many tokens per expert on, NVFP4 weights are decoded to bf16 copies first
+
+_TRUE = ("1", "on", "true", "yes")
+_FALSE = ("0", "off", "false", "no")
+BOOL_VALUES = "1/0/on/off/true/false/yes/no"
+
+
+@dataclass(frozen=True)
+class Options:
+    """The parsed options (immutable and hashable: caches may key on it)."""
+    autotune: bool = True
+    autotune_quick: bool = False
+    decoded_min_m: int | None = DEFAULT_DECODED_MIN_M
+    gemm_chain: bool = True
+    config_dir: str | None = None
+
+
+ENV = {"autotune": "MOE_EP_AUTOTUNE", "autotune_quick": "MOE_EP_AUTOTUNE_QUICK",
+       "decoded_min_m": "MOE_EP_DECODED_MIN_M", "gemm_chain": "MOE_EP_GEMM_CHAIN", "config_dir": "MOE_EP_CONFIG_DIR"}
+"""Field name -> environment variable."""
+
+
+def _bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise MoEEpConfigError(f"{name} = {value!r}; allowed: {BOOL_VALUES}")
+
+
+def _decoded_min_m(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        text = str(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+    else:
+        text = None
+    if text == "off":
+        return None
+    if text is None or not re.fullmatch(r"[0-9]+", text) or int(text) < 1:  # ASCII digits only ("²" is a digit too)
+        raise MoEEpConfigError(f"{name} = {value!r}; allowed: a positive integer (tokens per expert) or off")
+    return int(text)
+
+
+def _path(name: str, value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise MoEEpConfigError(f"{name} = {value!r}; allowed: a folder path")
+    text = os.fspath(value).strip()
+    return text or None
+
+
+_PARSE = {"autotune": _bool, "autotune_quick": _bool, "decoded_min_m": _decoded_min_m, "gemm_chain": _bool,
+          "config_dir": _path}
+
+
+def parse(env=None) -> Options:
+    """Options from ``env`` (default ``os.environ``); raises MoEEpConfigError for a value that means nothing."""
+    env = os.environ if env is None else env
+    values = {}
+    for field, var in ENV.items():
+        raw = env.get(var)
+        if raw is None or not raw.strip():
+            continue
+        values[field] = _PARSE[field](var, raw)
+    return Options(**values)
+
+
+_current: Options | None = None
+_explicit: frozenset = frozenset()
+
+
+def current() -> Options:
+    """The options in force: the environment as read once per process (:func:`reload`), or an :func:`override`."""
+    return _current if _current is not None else reload()
+
+
+def reload() -> Options:
+    """Re-read the environment (after ``os.environ`` changed) and return the new options."""
+    global _current, _explicit
+    _current = parse()
+    _explicit = frozenset(f for f, var in ENV.items() if os.environ.get(var, "").strip())
+    return _current
+
+
+def explicit() -> frozenset:
+    """Field names whose variable is set (non-empty) in the environment, so a tool can leave the user's choice
+    alone (``moe-ep fuzz`` turns the search off unless ``MOE_EP_AUTOTUNE`` is set)."""
+    current()
+    return _explicit
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Options changed for the ``with`` block (the previous ones come back after it, also on an exception).
+    Values are parsed as the variables are (``autotune="off"``, ``decoded_min_m=64``) or given typed
+    (``autotune=False``, ``decoded_min_m=None``); an unknown name or a value that means nothing raises
+    MoEEpConfigError."""
+    global _current
+    changes = {}
+    for field, value in values.items():
+        if field not in ENV:
+            raise MoEEpConfigError(f"options.override({field}=...) = {value!r}; allowed: {sorted(ENV)}")
+        changes[field] = _PARSE[field](field, value) if not (value is None and field == "decoded_min_m") else None
+    before = current()
+    _current = dataclasses.replace(before, **changes)
+    try:
+        yield _current
+    finally:
+        _current = before
