@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import torch
 from hypothesis import assume, given, reproduce_failure, settings
@@ -33,6 +32,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
+from .. import options
 from ..errors import MoEEpInputError
 from ..testing import strategies as S
 from ..testing.profiles import FUZZ, register_profiles
@@ -226,14 +226,14 @@ def run(args) -> int:
     if args.jobs > 1 and not args.reproduce:
         return _report(run_parallel(args, names), args)
     # untimed first configs unless the caller chose otherwise; for this run only (main() is also called in-process)
-    search = {} if args.all_configs or "MOE_EP_AUTOTUNE" in os.environ else {"MOE_EP_AUTOTUNE": "off"}
+    search = {} if args.all_configs or "autotune" in options.explicit() else {"autotune": "off"}
     sizes = args.sizes or ("tiny" if INTERPRETER or not torch.cuda.is_available() else "gpu")
     db, dev = _database(args), device()
     os.makedirs(db, exist_ok=True)
     budget = None if args.seconds is None else args.seconds / len(names)
     print(f"fuzzing {', '.join(names)} on {dev} ({sizes} sizes; database {db})", flush=True)
     results = []
-    with mock.patch.dict(os.environ, search):
+    with options.override(**search):
         for name in names:
             r = run_target(name, args, sizes, db, budget, dev)
             results.append(r)
