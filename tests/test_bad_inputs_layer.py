@@ -109,6 +109,19 @@ def no_grad_weights():
     return a.w13, b.w13
 
 
+def group_5_with_process_group():
+    """A process group exists (world 1, gloo), but ``group`` is not one."""
+    import tempfile
+
+    import torch.distributed as dist
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", store=dist.FileStore(f"{d}/store", 1), rank=0, world_size=1)
+        try:
+            layer(group=5)
+        finally:
+            dist.destroy_process_group()
+
+
 def world2_shard_without_init():
     MoEEpLayer(cfg(), wts(L=E // 2))
 
@@ -119,7 +132,7 @@ CASES = [
     ("config_top_k_float", lambda: cfg(top_k=2.0), (MoEEpConfigError, "EpConfig.top_k = 2.0")),
     ("config_hidden_bool", lambda: cfg(hidden_size=True), (MoEEpConfigError, "EpConfig.hidden_size = True")),
     ("config_max_tokens_2_40", lambda: cfg(max_tokens_per_rank=2 ** 40),
-     (MoEEpConfigError, "EpConfig.max_tokens_per_rank = 1099511627776")),
+     (MoEEpConfigError, "EpConfig.max_tokens_per_rank = 1099511627776; allowed: an int in [1, 2147483647]")),
     ("config_tokens_times_topk_int32", lambda: cfg(num_experts=8, top_k=4, max_tokens_per_rank=2 ** 30),
      (MoEEpConfigError, "max_tokens_per_rank * top_k")),
     ("config_algorithm_list", lambda: cfg(algorithm=["ll"]), (MoEEpConfigError, "EpConfig.algorithm = ['ll']")),
@@ -129,6 +142,8 @@ CASES = [
                                                torch.tensor(True)), SAME),
     # MoEEpLayer's own arguments, said as MoEEpLayer(<arg>=...)
     ("layer_group_5_no_process_group", lambda: layer(group=5), (MoEEpConfigError, "MoEEpLayer(group=...) = 5")),
+    ("layer_group_5_with_process_group", group_5_with_process_group,
+     (MoEEpConfigError, "type(MoEEpLayer(group=...)) = 'int'")),
     ("layer_cuda_graph_yes", lambda: layer(cuda_graph="yes"), (MoEEpConfigError, "MoEEpLayer(cuda_graph=...) = 'yes'")),
     ("layer_validate_no", lambda: layer(validate="no"), (MoEEpConfigError, "MoEEpLayer(validate=...) = 'no'")),
     ("layer_transport_int", lambda: layer(transport=5), (MoEEpConfigError, "MoEEpLayer(transport=...) = 5")),
