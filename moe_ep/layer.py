@@ -306,7 +306,9 @@ class MoEEpLayer(torch.nn.Module):
                 raise
             if self._graphs is not None and hidden_states.shape[0] and not _capturing(hidden_states):
                 return self._graphs(hidden_states, topk_idx, topk_weights)
-            return self._run(hidden_states, topk_idx, topk_weights, ids_checked=v and not _capturing(hidden_states))
+            # ids unchecked (validate off, or a capture) -> mapped for transports that need it (_run)
+            map_ids = self._map_ids and (not v or _capturing(hidden_states))
+            return self._run(hidden_states, topk_idx, topk_weights, map_ids)
         finally:
             self._busy.release()
 
@@ -325,8 +327,10 @@ class MoEEpLayer(torch.nn.Module):
             fail("weight_dtype", weight_dtype, "torch.float32, torch.bfloat16, torch.float16")
         return self._graphs.get(batch_size, idx_dtype, weight_dtype).inputs
 
-    def _run(self, hidden_states, topk_idx, topk_weights, ids_checked: bool = False) -> torch.Tensor:
-        if self._map_ids and not ids_checked:  # on the device (captured into graphs): out-of-range ids -> -1
+    def _run(self, hidden_states, topk_idx, topk_weights, map_ids: bool | None = None) -> torch.Tensor:
+        """dispatch -> compute -> combine. ``map_ids`` (default: whenever the transport needs it, as in a graph
+        capture) turns ids outside [-1, E) into -1 on the device first."""
+        if self._map_ids if map_ids is None else map_ids:  # on the device (captured into graphs)
             E = self.config.num_experts
             topk_idx = topk_idx.masked_fill((topk_idx < -1) | (topk_idx >= E), -1)
         d = self.transport.dispatch(hidden_states, topk_idx, topk_weights)
