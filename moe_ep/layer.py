@@ -12,7 +12,7 @@ import torch.distributed as dist
 from . import rank_agreement
 from .compute import expert_compute
 from .config import MAX_INT32, EpConfig
-from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpInputError, check, fail
+from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpInputError, MoEEpPeerError, check, fail
 from .transports import TRANSPORTS, make_transport
 from .transports.discovery import require_transport
 from .weights import FLOAT_DTYPES, ExpertWeights, check_no_grad
@@ -42,7 +42,7 @@ def _rank_world(group) -> tuple[int, int]:
 
 def _timeout(t) -> timedelta:
     """``timeout`` (seconds or a timedelta) as a positive timedelta."""
-    if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0:
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e9:
         return timedelta(seconds=t)
     if isinstance(t, timedelta) and t.total_seconds() > 0:
         return t
@@ -178,8 +178,13 @@ class MoEEpLayer(torch.nn.Module):
                 raise
             name, error = transport, e
         if self.world_size > 1:
-            rank_agreement.agree(rank_agreement.fingerprint(config, weights, name, cuda_graph, self.world_size),
-                                 error, group, self.rank, self.world_size, weights.device, self.timeout)
+            try:
+                rank_agreement.agree(rank_agreement.fingerprint(config, weights, name, cuda_graph, self.world_size),
+                                     error, group, self.rank, self.world_size, weights.device, self.timeout)
+            except MoEEpPeerError as peer:
+                if error is None:
+                    raise
+                raise error from peer  # this rank's own mistake comes first
             if error is not None:
                 raise error
         self.transport = make_transport(name, config, group, device=weights.device)
@@ -284,7 +289,8 @@ class MoEEpLayer(torch.nn.Module):
         elif validate is True or validate is False:
             v = validate
         else:
-            fail("forward(validate=...)", validate, "True, False or None (the layer's flag)", MoEEpConfigError)
+            self._fail_forward(MoEEpConfigError(f"forward(validate=...) = {validate!r}; allowed: True, False or "
+                                                "None (the layer's flag)"))
         if not self._busy.acquire(blocking=False):
             raise MoEEpConcurrentUseError("MoEEpLayer.forward called while another thread is inside this layer's "
                                           "forward; allowed: one forward at a time per layer (one layer per "
@@ -300,10 +306,7 @@ class MoEEpLayer(torch.nn.Module):
             try:
                 self._check_inputs(hidden_states, topk_idx, topk_weights, v)
             except MoEEpError as e:
-                if self._tell_peers:  # so its peers raise instead of waiting in the dispatch (rank_agreement)
-                    rank_agreement.send_failure(e, self.group, self.rank, self.world_size, self.transport.device,
-                                                self.timeout)
-                raise
+                self._fail_forward(e)
             if self._graphs is not None and hidden_states.shape[0] and not _capturing(hidden_states):
                 return self._graphs(hidden_states, topk_idx, topk_weights)
             # ids unchecked (validate off, or a capture) -> mapped for transports that need it (_run)
@@ -311,6 +314,17 @@ class MoEEpLayer(torch.nn.Module):
             return self._run(hidden_states, topk_idx, topk_weights, map_ids)
         finally:
             self._busy.release()
+
+    def _fail_forward(self, error: MoEEpError):
+        """Raise ``error``, this rank's forward failing its checks; with the portable transport at world size
+        > 1, first tell the peers (they raise MoEEpPeerError instead of waiting in the dispatch)."""
+        if self._tell_peers:
+            try:
+                rank_agreement.send_failure(error, self.group, self.rank, self.world_size, self.transport.device,
+                                            self.timeout)
+            except MoEEpPeerError as peer:
+                raise error from peer
+        raise error
 
     def graph_inputs(self, batch_size: int, idx_dtype: torch.dtype = torch.int64,
                      weight_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

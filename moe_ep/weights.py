@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import Format
@@ -99,7 +101,7 @@ def _check_values(name: str, w: torch.Tensor, weight_format: Format) -> None:
     if not w.numel():
         return
     amax = w.detach().abs().amax().float().item()
-    if amax != amax or amax == float("inf"):
+    if not math.isfinite(amax):
         raise MoEEpInputError(f"{name} holds NaN or Inf; allowed: finite values")
     if weight_format is Format.BF16 and amax > _BF16_MAX:
         raise MoEEpInputError(f"{name} max |value| = {amax:.4g}; allowed: <= {_BF16_MAX:.4g} (bf16's largest "

@@ -57,7 +57,7 @@ def same_as_no_expert(alg, lay, bad, idx_dtype=torch.int64):
 def concurrent_forward():
     """A second thread's forward while the first is inside the same layer's forward."""
     m = layer()
-    inside, release, errors = threading.Event(), threading.Event(), []
+    inside, release = threading.Event(), threading.Event()
     real = m._run
 
     def slow_run(*a, **k):

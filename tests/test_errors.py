@@ -127,7 +127,7 @@ def test_validate_off_skips_value_checks(monkeypatch):
     for layer, kw in ((_layer(), dict(validate=False)), (_layer(validate=False), {})):
         layer(x, dup, w, **kw)  # no error: not checked
         calls = []
-        monkeypatch.setattr(layer, "_check_values", lambda *a: calls.append(a))
+        monkeypatch.setattr(layer, "_check_values", lambda *a, calls=calls: calls.append(a))
         layer(x, i, w, **kw)
         assert not calls, "validate=False still ran the value checks"
     with pytest.raises(MoEEpInputError, match=r"topk_idx\[0\]"):

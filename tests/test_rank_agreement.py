@@ -176,7 +176,11 @@ def spawn(world: int) -> list[dict]:
         out = []
         for r in range(world):
             path = os.path.join(d, f"rank{r}.json")
-            out.append(json.load(open(path)) if os.path.exists(path) else {})
+            if not os.path.exists(path):
+                out.append({})
+                continue
+            with open(path) as f:
+                out.append(json.load(f))
     assert not stragglers, f"ranks {stragglers} still running after {JOIN_DEADLINE} s: {out}"
     return out
 
@@ -210,8 +214,8 @@ def test_config_disagreement_is_named_on_every_rank(results):
     for r in range(world):
         _expect(res, "config_num_experts_differs", r, "MoEEpConfigError", f"EpConfig.num_experts: {experts}",
                 f"weights.num_local_experts: {local}")
-        _expect(res, "config_layout_differs", r, "MoEEpConfigError", f"EpConfig.algorithm: rank 0 = 'll'",
-                f"rank {last} = 'ht'", f"EpConfig.layout: rank 0 = 'expert_major'", f"rank {last} = 'flat'")
+        _expect(res, "config_layout_differs", r, "MoEEpConfigError", "EpConfig.algorithm: rank 0 = 'll'",
+                f"rank {last} = 'ht'", "EpConfig.layout: rank 0 = 'expert_major'", f"rank {last} = 'flat'")
         _expect(res, "config_weight_format_differs", r, "MoEEpConfigError", "EpConfig.weight_format: rank 0 = 'bf16'",
                 f"rank {last} = 'nvfp4'", "weights.format:")
 
