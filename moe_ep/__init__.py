@@ -6,7 +6,8 @@ see :mod:`moe_ep.triton_runtime`.
 
 from . import triton_runtime  # noqa: F401  (must precede any triton import)
 from .config import Algorithm, EpConfig, Format, Layout
-from .errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpError, MoEEpInputError
+from .errors import (MoEEpBackendUnavailable, MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpInputError,
+                     MoEEpPeerError)
 from .layer import MoEEpLayer
 from .transports.discovery import available_transports
 from .weights import ExpertWeights
@@ -14,5 +15,6 @@ from .weights import ExpertWeights
 __version__ = "0.1.0"
 
 __all__ = ["MoEEpLayer", "EpConfig", "Algorithm", "Layout", "Format", "ExpertWeights",
-           "MoEEpError", "MoEEpConfigError", "MoEEpInputError", "MoEEpBackendUnavailable",
+           "MoEEpError", "MoEEpConfigError", "MoEEpInputError", "MoEEpBackendUnavailable", "MoEEpPeerError",
+           "MoEEpConcurrentUseError",
            "available_transports", "__version__"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 
 from .errors import MoEEpConfigError
@@ -31,6 +32,9 @@ class Format(enum.Enum):
     """Number format of weights or activations."""
     BF16 = "bf16"
     NVFP4 = "nvfp4"
+
+
+MAX_INT32 = 2**31 - 1
 
 
 def _err(field: str, value, allowed: str) -> MoEEpConfigError:
@@ -64,12 +68,20 @@ class EpConfig:
             if not isinstance(v, enum_type):
                 try:
                     object.__setattr__(self, name, enum_type(v))
-                except ValueError:
+                except (ValueError, TypeError):
                     raise _err(name, v, ", ".join(repr(m.value) for m in enum_type)) from None
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "max_tokens_per_rank"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise _err(name, v, "a positive int")
+            try:  # ints and int-likes (numpy ints) are taken as ints; bools, floats and strings are not
+                n = None if isinstance(v, bool) else operator.index(v)
+            except TypeError:
+                n = None
+            if n is None or not 0 < n <= MAX_INT32:  # the kernels index rows, ids and slots with int32
+                raise _err(name, v, f"an int in [1, {MAX_INT32}]")
+            object.__setattr__(self, name, n)
+        if self.max_tokens_per_rank * self.top_k > MAX_INT32:
+            raise _err("max_tokens_per_rank", self.max_tokens_per_rank,
+                       f"max_tokens_per_rank * top_k <= {MAX_INT32} (int32 slot indices)")
         if self.top_k > self.num_experts:
             raise _err("top_k", self.top_k, f"<= num_experts ({self.num_experts})")
         h_mult = 32 if self.activation_format is Format.NVFP4 else 16

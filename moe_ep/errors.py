@@ -27,3 +27,13 @@ def fail(what: str, value, allowed: str, exc: type = MoEEpInputError):
 
 class MoEEpBackendUnavailable(MoEEpError, RuntimeError):
     """A transport was asked for that cannot run here; the message says why and how to install it."""
+
+
+class MoEEpPeerError(MoEEpError, RuntimeError):
+    """Another rank of the layer's group failed (the message names the rank and its error), or not every rank
+    answered a collective of the layer within its ``timeout``. This rank's call did nothing."""
+
+
+class MoEEpConcurrentUseError(MoEEpError, RuntimeError):
+    """Two threads called one layer's forward at once: a layer owns buffers and collectives that one forward
+    at a time may use (give each thread its own layer, or serialize the calls)."""

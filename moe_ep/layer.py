@@ -2,19 +2,49 @@
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
+from . import rank_agreement
 from .compute import expert_compute
-from .config import EpConfig
-from .errors import MoEEpConfigError, MoEEpInputError, check, fail
-from .transports import make_transport
+from .config import MAX_INT32, EpConfig
+from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpInputError, MoEEpPeerError, check, fail
+from .transports import TRANSPORTS, make_transport
 from .transports.base import group_rank_world
-from .weights import ExpertWeights
+from .transports.discovery import require_transport
+from .weights import FLOAT_DTYPES, ExpertWeights, check_no_grad
 
 _IDX_DTYPES = (torch.int32, torch.int64)
-_W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_W_DTYPES = FLOAT_DTYPES
+
+
+def _rank_world(group) -> tuple[int, int]:
+    """(rank, world size) of ``group`` (None: the default group, or a single process), after checking that a
+    ``group`` given is a ProcessGroup this process belongs to."""
+    if group is not None:
+        if not (dist.is_available() and dist.is_initialized()):
+            fail("MoEEpLayer(group=...)", group, "None (a single process) until torch.distributed."
+                 "init_process_group has run; then None (the default group) or a ProcessGroup", MoEEpConfigError)
+        if not isinstance(group, dist.ProcessGroup):
+            fail("type(MoEEpLayer(group=...))", type(group).__name__, "None or a torch.distributed.ProcessGroup",
+                 MoEEpConfigError)
+        if dist.get_rank(group) < 0:
+            fail("MoEEpLayer(group=...) membership", f"this process (global rank {dist.get_rank()}) is not in it",
+                 "a group this process belongs to", MoEEpConfigError)
+    return group_rank_world(group)
+
+
+def _timeout(t) -> timedelta:
+    """``timeout`` (seconds or a timedelta) as a positive timedelta."""
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e9:
+        return timedelta(seconds=t)
+    if isinstance(t, timedelta) and t.total_seconds() > 0:
+        return t
+    fail("MoEEpLayer(timeout=...)", t, "a positive number of seconds or a datetime.timedelta", MoEEpConfigError)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -97,32 +127,98 @@ class MoEEpLayer(torch.nn.Module):
     ranks first (a rank may then replay any of them, or run 0 tokens eagerly, in any step). With more
     ranks the portable transport syncs once per dispatch and once per combine (its all_to_all split
     sizes live on the host), so it cannot be captured.
+
+    Inference only: inputs or weights that need a gradient are refused (:class:`MoEEpInputError`), never
+    silently cut off from autograd. One forward at a time: a layer owns buffers and collectives, so a
+    second thread entering ``forward`` while one is inside raises :class:`MoEEpConcurrentUseError` (give
+    each thread its own layer).
+
+    Ranks agree, or fail loudly and in bounded time (:mod:`moe_ep.rank_agreement`):
+
+    * Construction with world size > 1 is collective: every rank of the group must construct its layers
+      in the same order. One small all_gather checks that every rank holds the same EpConfig, weight
+      format, weight shapes, weights' device type, transport and ``cuda_graph``; a difference raises
+      :class:`MoEEpConfigError` on every rank, naming each field and each rank's value. A rank whose own
+      arguments fail the layer's checks still joins that exchange: it raises its own error, its peers
+      raise :class:`MoEEpPeerError` naming it and its error. A rank that does not arrive within
+      ``timeout`` (seconds or a timedelta, default 300 s) makes the others raise :class:`MoEEpPeerError`
+      (the group is then unusable: end the job).
+    * ``forward`` over the portable ``"torch"`` transport with several ranks: a rank whose inputs fail the
+      checks still takes part in the dispatch's first collective, carrying a failure marker instead of its
+      counts: it raises its own :class:`MoEEpInputError`, its peers raise :class:`MoEEpPeerError` naming
+      it and its reason, nothing is dispatched, and the next forward may run on every rank. This costs
+      nothing when the inputs are fine. Waiting for peers that are not in a forward at all is bounded by
+      ``timeout`` on the failing rank, by the process group's own timeout on the others.
+    * ``forward`` over ``"nccl_ep"`` / ``"nixl_ep"`` (graph-capturable: no host round trip to piggyback
+      on): a rank that raises leaves its peers in the transport's collectives until the process group's
+      timeout (``init_process_group(timeout=...)``); keep every rank's inputs valid, or end the job on error.
     """
 
     def __init__(self, config: EpConfig, weights: ExpertWeights, *, group=None, transport: str = "torch",
-                 validate: bool = True, cuda_graph: bool = False):
+                 validate: bool = True, cuda_graph: bool = False, timeout: float | timedelta = 300.0):
         super().__init__()
         check(isinstance(config, EpConfig), "type(config)", type(config).__name__, "EpConfig", MoEEpConfigError)
         check(isinstance(weights, ExpertWeights), "type(weights)", type(weights).__name__, "ExpertWeights")
+        for name, v in (("validate", validate), ("cuda_graph", cuda_graph)):
+            check(isinstance(v, bool), f"MoEEpLayer({name}=...)", v, "True or False", MoEEpConfigError)
+        check(isinstance(transport, str), "MoEEpLayer(transport=...)", transport,
+              ", ".join(repr(t) for t in TRANSPORTS), MoEEpConfigError)
+        self.timeout = _timeout(timeout)
         self.config, self.weights, self.group, self.validate = config, weights, group, validate
-        self.rank, self.world_size = group_rank_world(group)
-        L = config.local_experts(self.world_size)
-        want = (L, config.hidden_size, config.intermediate_size)
-        got = (weights.num_local_experts, weights.hidden_size, weights.intermediate_size)
-        check(got == want, "weights (local experts, hidden, intermediate)", got,
-              f"{want} (num_experts / world size, hidden_size, intermediate_size)")
-        check(weights.format is config.weight_format, "weights.format", weights.format.value,
-              f"{config.weight_format.value!r} (EpConfig.weight_format)", MoEEpConfigError)
-        self.transport = make_transport(transport, config, group, device=weights.device)
+        self.rank, self.world_size = _rank_world(group)
+        self._busy = threading.Lock()  # one forward at a time (MoEEpConcurrentUseError)
         self._graphs = None
+        try:  # this rank's own checks; with peers, its verdict travels in the agreement check (no one waits)
+            name = self._check_setup(transport, cuda_graph)
+            error = None
+        except MoEEpError as e:
+            if self.world_size == 1:
+                raise
+            name, error = transport, e
+        if self.world_size > 1:
+            try:
+                rank_agreement.agree(rank_agreement.fingerprint(config, weights, name, cuda_graph, self.world_size),
+                                     error, group, self.rank, self.world_size, weights.device, self.timeout)
+            except MoEEpPeerError as peer:
+                if error is None:
+                    raise
+                raise error from peer  # this rank's own mistake comes first
+            if error is not None:
+                raise error
+        self.transport = make_transport(name, config, group, device=weights.device)
+        # a failing rank's peers hear of it in the portable transport's count exchange (rank_agreement)
+        self._tell_peers = self.world_size > 1 and self.transport.name == "torch"
+        # the portable transport treats ids outside [0, E) as no expert; others get them as -1 (_run)
+        self._map_ids = self.transport.name != "torch"
         if cuda_graph:
             check(self.transport.graph_capturable,
                   f"cuda_graph=True with transport {self.transport.name!r}, {config.algorithm.value}, world size",
                   self.world_size, "a transport that runs without host syncs: 'torch' at world size "
                   "1, 'nccl_ep' with LOW_LATENCY, 'nixl_ep'", MoEEpConfigError)
+            # the same verdict on every rank: transport, world size and the weights' device type agree
             check(weights.device.type == "cuda", "cuda_graph=True with weights on", str(weights.device),
                   "CUDA weights", MoEEpConfigError)
             self._graphs = _ForwardGraphs(self)
+
+    def _check_setup(self, transport: str, cuda_graph: bool) -> str:
+        """This rank's checks of its arguments (no collectives); returns the transport's resolved name."""
+        config, weights = self.config, self.weights
+        L = config.local_experts(self.world_size)
+        want = (L, config.hidden_size, config.intermediate_size)
+        got = (weights.num_local_experts, weights.hidden_size, weights.intermediate_size)
+        if got != want:
+            no_pg = self.group is None and not dist.is_initialized()
+            fail("weights (local experts, hidden, intermediate)", got,
+                 f"{want} (num_experts / world size, hidden_size, intermediate_size)" + (
+                     "; torch.distributed is not initialized, so the world size is 1: call "
+                     "torch.distributed.init_process_group first if these are one rank's shard" if no_pg else ""))
+        check(weights.format is config.weight_format, "weights.format", weights.format.value,
+              f"{config.weight_format.value!r} (EpConfig.weight_format)", MoEEpConfigError)
+        rows = self.world_size * config.max_tokens_per_rank * config.top_k
+        check(rows <= MAX_INT32, "EpConfig.max_tokens_per_rank", config.max_tokens_per_rank,
+              f"world size ({self.world_size}) * max_tokens_per_rank * top_k <= {MAX_INT32} (int32 slot indices)",
+              MoEEpConfigError)
+        return require_transport(transport)  # the one check of the name
 
     def _check_inputs(self, x, idx, w, validate: bool) -> None:
         cfg, dev = self.config, self.weights.device
@@ -133,6 +229,9 @@ class MoEEpLayer(torch.nn.Module):
                 fail(f"{name}.shape", tuple(t.shape), "2-D")
             if t.device != dev:
                 fail(f"{name}.device", str(t.device), f"{dev} (the weights' device)")
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):  # never drop a gradient silently
+            check_no_grad("hidden_states", x)
+            check_no_grad("topk_weights", w)
         B, K = x.shape[0], cfg.top_k
         if x.shape[1] != cfg.hidden_size:
             fail("hidden_states.shape", tuple(x.shape), f"[B, {cfg.hidden_size}]")
@@ -173,23 +272,55 @@ class MoEEpLayer(torch.nn.Module):
         """``[B, H]`` bf16: ``sum_k topk_weights[b, k] * expert_{topk_idx[b, k]}(hidden_states[b])``.
 
         ``hidden_states [B, H]`` bf16 with ``B <= max_tokens_per_rank``; ``topk_idx [B, K]`` int32/int64
-        global expert ids, -1 = no expert; ``topk_weights [B, K]`` float. Shapes, dtypes and devices are
-        always checked (:class:`MoEEpInputError`). ``validate`` (default: the layer's flag, True) also
-        checks id ranges, duplicate ids in a row and finite weights, which costs a host sync; it is skipped
-        while a CUDA graph is being captured.
+        global expert ids, -1 = no expert; ``topk_weights [B, K]`` float32/bfloat16/float16. Shapes, dtypes,
+        devices and ``requires_grad`` (inference only: a tensor that needs a gradient is refused) are always
+        checked (:class:`MoEEpInputError`). ``validate`` (default: the layer's flag, True) also checks id
+        ranges, duplicate ids in a row and finite weights, which costs a host sync; it is skipped while a
+        CUDA graph is being captured. Without it, an id outside ``[0, num_experts)`` (-1 or not, int64 ids of
+        2**31 and more included) is taken as "no expert": it never lands on another expert. Duplicate ids
+        and non-finite weights are then the caller's to avoid (their result is unspecified, never a crash).
         """
-        v = self.validate if validate is None else validate
-        if self._graphs is not None:  # the graph's own static inputs: replay alone (a few us of host time)
-            e = self._graphs.static_entry(hidden_states, topk_idx, topk_weights)
-            if e is not None:
-                if v:
-                    self._check_values(topk_idx, topk_weights)
-                e.graph.replay()
-                return e.out
-        self._check_inputs(hidden_states, topk_idx, topk_weights, v)
-        if self._graphs is not None and hidden_states.shape[0] and not _capturing(hidden_states):
-            return self._graphs(hidden_states, topk_idx, topk_weights)
-        return self._run(hidden_states, topk_idx, topk_weights)
+        if validate is None:
+            v = self.validate
+        elif validate is True or validate is False:
+            v = validate
+        else:
+            self._fail_forward(MoEEpConfigError(f"forward(validate=...) = {validate!r}; allowed: True, False or "
+                                                "None (the layer's flag)"))
+        if not self._busy.acquire(blocking=False):
+            raise MoEEpConcurrentUseError("MoEEpLayer.forward called while another thread is inside this layer's "
+                                          "forward; allowed: one forward at a time per layer (one layer per "
+                                          "thread, or serialize the calls)")
+        try:
+            if self._graphs is not None:  # the graph's own static inputs: replay alone (a few us of host time)
+                e = self._graphs.static_entry(hidden_states, topk_idx, topk_weights)
+                if e is not None:
+                    if v:
+                        self._check_values(topk_idx, topk_weights)
+                    e.graph.replay()
+                    return e.out
+            try:
+                self._check_inputs(hidden_states, topk_idx, topk_weights, v)
+            except MoEEpError as e:
+                self._fail_forward(e)
+            if self._graphs is not None and hidden_states.shape[0] and not _capturing(hidden_states):
+                return self._graphs(hidden_states, topk_idx, topk_weights)
+            # ids unchecked (validate off, or a capture) -> mapped for transports that need it (_run)
+            map_ids = self._map_ids and (not v or _capturing(hidden_states))
+            return self._run(hidden_states, topk_idx, topk_weights, map_ids)
+        finally:
+            self._busy.release()
+
+    def _fail_forward(self, error: MoEEpError):
+        """Raise ``error``, this rank's forward failing its checks; with the portable transport at world size
+        > 1, first tell the peers (they raise MoEEpPeerError instead of waiting in the dispatch)."""
+        if self._tell_peers:
+            try:
+                rank_agreement.send_failure(error, self.group, self.rank, self.world_size, self.transport.device,
+                                            self.timeout)
+            except MoEEpPeerError as peer:
+                raise error from peer
+        raise error
 
     def graph_inputs(self, batch_size: int, idx_dtype: torch.dtype = torch.int64,
                      weight_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,7 +337,12 @@ class MoEEpLayer(torch.nn.Module):
             fail("weight_dtype", weight_dtype, "torch.float32, torch.bfloat16, torch.float16")
         return self._graphs.get(batch_size, idx_dtype, weight_dtype).inputs
 
-    def _run(self, hidden_states, topk_idx, topk_weights) -> torch.Tensor:
+    def _run(self, hidden_states, topk_idx, topk_weights, map_ids: bool | None = None) -> torch.Tensor:
+        """dispatch -> compute -> combine. ``map_ids`` (default: whenever the transport needs it, as in a graph
+        capture) turns ids outside [-1, E) into -1 on the device first."""
+        if self._map_ids if map_ids is None else map_ids:  # on the device (captured into graphs)
+            E = self.config.num_experts
+            topk_idx = topk_idx.masked_fill((topk_idx < -1) | (topk_idx >= E), -1)
         d = self.transport.dispatch(hidden_states, topk_idx, topk_weights)
         y = expert_compute(self.config, d, self.weights,
                            self.config.tokens_per_expert(self.world_size, hidden_states.shape[0]))

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import Format
-from .errors import MoEEpConfigError, MoEEpInputError, check
+from .errors import MoEEpConfigError, MoEEpInputError, check, fail
 from .kernels.nvfp4 import NvFp4Tensor, dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The float dtypes moe-ep takes, for expert weights and routing weights alike (float64: cast it yourself)."""
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def check_no_grad(name: str, t: torch.Tensor) -> None:
+    """moe-ep is inference only: a tensor that would need a gradient is refused rather than silently cut off."""
+    if t.requires_grad and torch.is_grad_enabled():
+        fail(f"{name}.requires_grad", True, "False: moe-ep is inference only (no autograd); call it under "
+             "torch.no_grad() / torch.inference_mode(), or pass .detach()")
 
 
 class ExpertWeights:
@@ -16,21 +29,30 @@ class ExpertWeights:
     scale per expert (``quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))``); the layer then reads
     only the packed codes. ``w13``/``w2`` attributes hold what the grouped GEMM consumes (a bf16 tensor or
     an :class:`NvFp4Tensor`).
+
+    Both are float32, bfloat16 or float16 (float64 is refused, as for routing weights), finite, on a CPU or
+    CUDA device, and need no gradient (inference only); for BF16 every value must fit bf16 (``|w| <=``
+    ``torch.finfo(torch.bfloat16).max``; it would become Inf). Construction checks the values (host syncs:
+    once, here).
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, weight_format: Format | str = Format.BF16):
         try:
             weight_format = Format(weight_format)
-        except ValueError:
+        except (ValueError, TypeError):
             raise MoEEpConfigError(f"weight_format = {weight_format!r}; allowed: 'bf16', 'nvfp4'") from None
         for name, w in (("w13", w13), ("w2", w2)):
             check(isinstance(w, torch.Tensor), f"type({name})", type(w).__name__, "a torch.Tensor")
             check(w.dim() == 3, f"{name}.shape", tuple(w.shape), "3-D ([L, 2I, H] / [L, H, I])")
-            check(w.is_floating_point(), f"{name}.dtype", w.dtype, "a floating dtype")
+            check(w.dtype in FLOAT_DTYPES, f"{name}.dtype", w.dtype, "torch.float32, torch.bfloat16, torch.float16")
+            check(w.device.type in ("cpu", "cuda"), f"{name}.device", str(w.device), "a cpu or cuda device")
+            check_no_grad(name, w)
         L, two_i, H = w13.shape
         check(two_i % 2 == 0, "w13.shape[1] (2I)", two_i, "even (gate rows then up rows)")
         check(tuple(w2.shape) == (L, H, two_i // 2), "w2.shape", tuple(w2.shape), f"({L}, {H}, {two_i // 2})")
         check(w2.device == w13.device, "w2.device", str(w2.device), str(w13.device))
+        for name, w in (("w13", w13), ("w2", w2)):
+            _check_values(name, w, weight_format)
         self.format = weight_format
         self.num_local_experts, self.hidden_size, self.intermediate_size = L, H, two_i // 2
         if weight_format is Format.NVFP4:
@@ -44,6 +66,16 @@ class ExpertWeights:
     def from_global(cls, w13_all: torch.Tensor, w2_all: torch.Tensor, rank: int, world_size: int,
                     weight_format: Format | str = Format.BF16, device=None) -> "ExpertWeights":
         """Rank ``rank``'s shard (experts ``rank*L .. rank*L+L-1``) of all experts' ``[E, 2I, H]``/``[E, H, I]``."""
+        for name, w in (("w13_all", w13_all), ("w2_all", w2_all)):
+            check(isinstance(w, torch.Tensor) and w.dim() == 3, f"{name}.shape",
+                  tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__, "a 3-D torch.Tensor")
+        for name, v in (("rank", rank), ("world_size", world_size)):
+            check(isinstance(v, int) and not isinstance(v, bool), f"type({name})", type(v).__name__, "int")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise MoEEpInputError(f"device = {device!r}; allowed: a torch.device or its name") from None
         E = w13_all.shape[0]
         if world_size <= 0 or E % world_size:
             raise MoEEpConfigError(f"num_experts = {E}; allowed: a multiple of the world size ({world_size})")
@@ -62,3 +94,15 @@ class ExpertWeights:
         """The weights the layer computes with, as fp32 (dequantized when NVFP4): the reference's operands."""
         f = lambda w: dequantize_nvfp4(w, torch.float32) if isinstance(w, NvFp4Tensor) else w.float()  # noqa: E731
         return f(self.w13), f(self.w2)
+
+
+def _check_values(name: str, w: torch.Tensor, weight_format: Format) -> None:
+    """Finite, and within bf16's range when stored as bf16: one host sync, at construction."""
+    if not w.numel():
+        return
+    amax = w.detach().abs().amax().float().item()
+    if not math.isfinite(amax):
+        raise MoEEpInputError(f"{name} holds NaN or Inf; allowed: finite values")
+    if weight_format is Format.BF16 and amax > _BF16_MAX:
+        raise MoEEpInputError(f"{name} max |value| = {amax:.4g}; allowed: <= {_BF16_MAX:.4g} (bf16's largest "
+                              "finite value; larger ones would become Inf in bf16)")

@@ -120,9 +120,17 @@ def test_cuda_graph_needs_a_capturable_transport_and_cuda_weights(monkeypatch):
         _layer(cuda_graph=True)
 
 
-def test_validate_off_skips_value_checks():
-    layer = _layer()
+def test_validate_off_skips_value_checks(monkeypatch):
+    """validate=False (per call or per layer) skips the value checks (and their host sync); True keeps them."""
     x, i, w = _inputs()
-    layer(x, i, w, validate=False)  # valid input passes either way
-    with pytest.raises(MoEEpInputError):
-        layer(x, torch.where(i == 1, 0, i), w)
+    dup = torch.where(i == 1, 0, i)  # row 0 picks expert 0 twice: only the value checks catch that
+    for layer, kw in ((_layer(), dict(validate=False)), (_layer(validate=False), {})):
+        layer(x, dup, w, **kw)  # no error: not checked
+        calls = []
+        monkeypatch.setattr(layer, "_check_values", lambda *a, calls=calls: calls.append(a))
+        layer(x, i, w, **kw)
+        assert not calls, "validate=False still ran the value checks"
+    with pytest.raises(MoEEpInputError, match=r"topk_idx\[0\]"):
+        _layer()(x, dup, w)
+    with pytest.raises(MoEEpInputError, match=r"topk_idx\[0\]"):
+        _layer(validate=False)(x, dup, w, validate=True)

@@ -34,6 +34,7 @@ from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduc
 from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
+from ..rank_agreement import raise_if_peer_failed
 from ..triton_runtime import device as kernel_device
 from .base import group_rank_world
 
@@ -147,13 +148,16 @@ class TorchDistTransport:
             else:
                 c["data"][:B], c["scales"][:B] = q.data, q.scales.view(torch.uint8)
                 c["gs"][:B] = q.global_scale
-            c["ids"][:B] = topk_idx
+            if topk_idx.dtype is torch.int64:  # ids outside [0, E) -> E (no expert) before any int32 narrowing
+                torch.clamp(topk_idx, -1, self.config.num_experts, out=c["ids"][:B])
+            else:
+                c["ids"][:B] = topk_idx
             c["w"][:B] = topk_weights
             n_total = torch.full((1,), B, dtype=torch.int64, device=self.device)
             n_from = [B]
         else:
             idx = topk_idx.long()
-            owner = torch.where(idx >= 0, idx // L, -1)
+            owner = torch.where((idx >= 0) & (idx < self.config.num_experts), idx // L, -1)  # else: no expert
             hit = owner[:, :, None] == torch.arange(R, device=self.device)  # [B, K, R]
             to_dst = hit.any(1)                                              # [B, R]
             counts = torch.stack([to_dst.sum(0), hit.sum((0, 1))], 1)        # tokens, picks per dst
@@ -162,6 +166,8 @@ class TorchDistTransport:
             host = torch.cat([counts, recv_counts], 1).tolist()  # the one host sync of this dispatch
             send_tok, send_pick = [h[0] for h in host], [h[1] for h in host]
             n_from, recv_pick = [h[2] for h in host], [h[3] for h in host]
+            if min(n_from) < 0:  # a rank failed its forward checks and sent a marker instead (moe_ep.rank_agreement)
+                raise_if_peer_failed(n_from, self.group, self.rank, self.world, self.device)
             d_idx, b_idx = to_dst.T.nonzero(as_tuple=True)  # dst-major, tokens ascending
             local = torch.where(owner[b_idx] == d_idx[:, None], idx[b_idx] - d_idx[:, None] * L, -1)
             send = self._pack(x, q, b_idx, local, topk_weights[b_idx])
