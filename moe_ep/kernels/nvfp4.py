@@ -77,6 +77,22 @@ class NvFp4Tensor:
     def check(self, name: str = "q") -> None:
         """Raise :class:`MoEEpInputError` unless the parts agree with ``shape`` and with each other (no sync)."""
         data, scales, gs, shape = self.data, self.scales, self.global_scale, self.shape
+        try:  # the common case in one expression: launchers call this every step
+            K = shape[-1]
+            ok = (data.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn and gs.dtype == torch.float32
+                  and isinstance(shape, torch.Size) and K > 0 and K % NVFP4_BLOCK == 0 and self.swizzled in (False, True)
+                  and data.shape[:-1] == shape[:-1] and data.shape[-1] == K // 2 and scales.shape == self._scales_shape()
+                  and data.device == scales.device == gs.device)
+            n = gs.numel()
+            ok = ok and (n == 1 or n == math.prod(shape[:-1]) or (len(shape) > 1 and n == shape[0]))
+        except (AttributeError, TypeError, IndexError):
+            ok = False
+        if not ok:
+            self._explain(name)
+
+    def _explain(self, name: str) -> None:
+        """Raise the error naming the first part that does not agree."""
+        data, scales, gs, shape = self.data, self.scales, self.global_scale, self.shape
         for part, t, dt in (("data", data, torch.uint8), ("scales", scales, torch.float8_e4m3fn),
                             ("global_scale", gs, torch.float32)):
             if not isinstance(t, torch.Tensor):
@@ -100,16 +116,15 @@ class NvFp4Tensor:
         if not (n == 1 or n == rows or (len(shape) > 1 and n == shape[0])):
             fail(f"{name}.global_scale.numel()", n, f"1, {shape[0]} (one per {name}[i]) or {rows} (one per row)"
                  if len(shape) > 1 else "1")
-        if not (data.device == scales.device == gs.device):
-            fail(f"{name} devices (data, scales, global_scale)", (str(data.device), str(scales.device),
-                                                                   str(gs.device)), "one device for all parts")
+        fail(f"{name} devices (data, scales, global_scale)", (str(data.device), str(scales.device), str(gs.device)),
+             "one device for all parts")
 
-    def _scales_shape(self) -> torch.Size:
+    def _scales_shape(self) -> tuple:
         shape, kc = self.shape, self.shape[-1] // NVFP4_BLOCK
         if not self.swizzled:
-            return torch.Size((*shape[:-1], kc))
+            return (*shape[:-1], kc)
         mp, cp = swizzled_scale_shape(shape[-2] if len(shape) >= 2 else 1, kc)
-        return torch.Size((*shape[:-2], mp * cp))
+        return (*shape[:-2], mp * cp)
 
     @property
     def device(self) -> torch.device:
