@@ -3,7 +3,11 @@
 NVFP4 (see DESIGN.md): FP4 E2M1 elements, two per byte (element 2i in the low nibble), one FP8 E4M3
 scale per 16 consecutive elements of the last dim, one FP32 global scale per tensor (or per slice of the
 leading dim, e.g. per expert). Every step below is a single IEEE fp32 operation, in this order, so a
-kernel that does the same operations matches bit for bit.
+kernel that does the same operations matches bit for bit. A global scale that is not positive and finite
+(0, negative, NaN, Inf) is defined too: its rows quantize to codes 0 with scale 0, and dequantize to NaN.
+
+This module stands alone (it imports only torch): the kernels do not use it, tests and ``moe-ep fuzz`` compare
+the kernels with it.
 """
 
 from __future__ import annotations
@@ -86,10 +90,12 @@ def quantize_nvfp4_ref(x: torch.Tensor, global_scale: torch.Tensor | None = None
     xf = x.float().reshape(lead, -1, k // NVFP4_BLOCK, NVFP4_BLOCK)
     gs = _per_row_global_scale(global_scale, lead, xf.shape[1]).unsqueeze(-1)  # [lead, 1, 1, 1]
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    s = ((amax / torch.full_like(amax, E2M1_MAX)) * gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    ok = (gs > 0) & torch.isfinite(gs)  # a bad global scale: codes 0 and scale 0
+    y = ((amax / torch.full_like(amax, E2M1_MAX)) * gs).clamp(max=E4M3_MAX)
+    s = torch.where(ok, y, torch.zeros_like(y)).to(torch.float8_e4m3fn)
     sf = s.float()
     inv = torch.where(sf > 0, gs / sf, torch.zeros_like(sf))
-    codes = e2m1_codes_ref(xf * inv).reshape(*shape[:-1], k)
+    codes = torch.where(ok, e2m1_codes_ref(xf * inv), xf.new_zeros((), dtype=torch.uint8)).reshape(*shape[:-1], k)
     data = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return data, s.reshape(*shape[:-1], k // NVFP4_BLOCK), global_scale
 
@@ -99,7 +105,7 @@ def dequantize_nvfp4_ref(data: torch.Tensor, scales: torch.Tensor, global_scale:
     """Reference NVFP4 dequantization: ``(e2m1(q) * float(s)) / gs``, fp32, then cast to ``dtype``.
 
     ``scales`` in the linear layout ``[..., K/16]``; ``global_scale`` a scalar, one per ``data[i]`` or one
-    per row.
+    per row. Rows whose global scale is not positive and finite are NaN.
     """
     codes = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2)
     k = codes.shape[-1]
@@ -107,7 +113,9 @@ def dequantize_nvfp4_ref(data: torch.Tensor, scales: torch.Tensor, global_scale:
     vals = e2m1_values_ref(codes).reshape(lead, -1, k // NVFP4_BLOCK, NVFP4_BLOCK)
     sf = scales.float().reshape(lead, -1, k // NVFP4_BLOCK, 1)
     gs = _per_row_global_scale(global_scale, lead, vals.shape[1]).unsqueeze(-1)
-    return ((vals * sf) / gs).reshape(codes.shape).to(dtype)
+    ok = (gs > 0) & torch.isfinite(gs)
+    out = torch.where(ok, (vals * sf) / gs, vals.new_full((), float("nan")))
+    return out.reshape(codes.shape).to(dtype)
 
 
 def swizzled_scale_shape(rows: int, scale_cols: int) -> tuple[int, int]:

@@ -420,11 +420,11 @@ def _bad_cases(dev):
         ("x.swizzled", lambda: grouped_gemm(quantize_nvfp4(x + 1, swizzle=True), w, counts=cnt)),
         ("x.global_scale.shape", lambda: grouped_gemm(
             NvFp4Tensor(xq.data, xq.scales, torch.ones(G, device=dev), xq.shape), w, counts=cnt)),
-        ("w.global_scale.shape", lambda: grouped_gemm(
+        ("NvFp4Tensor.global_scale.numel()", lambda: grouped_gemm(
             x, NvFp4Tensor(wq.data, wq.scales, torch.ones(3, device=dev), wq.shape), counts=cnt)),
-        ("w.data", lambda: grouped_gemm(x, NvFp4Tensor(wq.data[..., :8], wq.scales, wq.global_scale, wq.shape),
+        ("NvFp4Tensor.data.shape", lambda: grouped_gemm(x, NvFp4Tensor(wq.data[..., :8], wq.scales, wq.global_scale, wq.shape),
                                         counts=cnt)),
-        ("w.scales", lambda: grouped_gemm(x, NvFp4Tensor(wq.data, wq.scales.view(torch.uint8), wq.global_scale,
+        ("NvFp4Tensor.scales.dtype", lambda: grouped_gemm(x, NvFp4Tensor(wq.data, wq.scales.view(torch.uint8), wq.global_scale,
                                                          wq.shape), counts=cnt)),
         ("w2.shape", lambda: expert_mlp(x, torch.zeros(G, 2 * N, K, dtype=torch.bfloat16, device=dev), w[:, :16],
                                         counts=cnt)),

@@ -11,7 +11,7 @@ from moe_ep import MoEEpInputError
 from moe_ep.kernels import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale,
                             quantize_nvfp4, swizzle_scales, unswizzle_scales)
 from moe_ep.reference import (dequantize_nvfp4_ref, e2m1_codes_ref, nvfp4_global_scale_ref, quantize_nvfp4_ref,
-                              swizzle_scales_ref)
+                              swizzle_scales_ref, unswizzle_scales_ref)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # e2m1 rounding midpoints (and their neighbours) in units of gs / s
@@ -165,6 +165,48 @@ def test_swizzle_roundtrip(rows, cols, lead):
     off = ((m // 128) * (cp // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
     assert flat[off] == s.view(torch.uint8).reshape(-1, rows, cols)[0, m, c]
     assert int(flat.sum()) == int(s.view(torch.uint8).reshape(-1, rows, cols)[0].sum())
+
+
+@given(st.integers(0, 300), st.integers(1, 12), st.integers(0, 2))
+def test_swizzle_matches_reference(dev, rows, cols, lead):
+    """The kernels' module swizzles by index arithmetic, the reference by reshape/permute: same bytes."""
+    s = (torch.rand((2,) * lead + (rows, cols)) * 400).to(torch.float8_e4m3fn)
+    ref = swizzle_scales_ref(s)
+    buf = swizzle_scales(s.to(dev))
+    assert torch.equal(buf.cpu().view(torch.uint8), ref.view(torch.uint8))
+    if rows:
+        assert torch.equal(unswizzle_scales(buf, rows, cols).cpu().view(torch.uint8),
+                           unswizzle_scales_ref(ref, rows, cols).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_global_scale_matches_reference_at_the_edges(dev, dtype):
+    """amax 0, subnormal (2688 / amax overflows), tiny, huge, the dtype's max, Inf and NaN, per tensor and per slice."""
+    fin = torch.finfo(dtype)
+    amaxes = [0.0, fin.tiny * 2 ** -3 if dtype != torch.bfloat16 else 1e-39, 1e-30, 1e-4, 1.0, 6.0, 448.0, 3.3e4,
+              float(fin.max), math.inf, math.nan]
+    x = torch.zeros(len(amaxes), 2, 16)
+    x[:, 1, 3] = torch.tensor(amaxes)
+    x[:, 0, 5] = -torch.tensor(amaxes) / 3
+    x = x.to(dtype)
+    got = nvfp4_global_scale(x.to(dev), per_slice=True).cpu()
+    ref = nvfp4_global_scale_ref(x, per_slice=True)
+    assert got.dtype == torch.float32 and torch.equal(got, ref), (got, ref)
+    for i in range(len(amaxes)):
+        assert torch.equal(nvfp4_global_scale(x[i].to(dev)).cpu(), nvfp4_global_scale_ref(x[i]))
+
+
+def test_bad_device_global_scales_match_the_reference(dev):
+    """The defined result of scales 0, < 0, NaN, Inf (unchecked): codes 0 and scale 0, dequantized NaN."""
+    x = torch.randn(5, 2, 32)
+    gs = torch.tensor([300.0, 0.0, -5.0, math.nan, math.inf])
+    q = quantize_nvfp4(x.to(dev), gs.to(dev), check_finite=False)
+    data, scales, _ = quantize_nvfp4_ref(x, gs)
+    assert torch.equal(q.data.cpu(), data) and torch.equal(q.scales.cpu().view(torch.uint8), scales.view(torch.uint8))
+    assert not data[1:].any() and not scales[1:].view(torch.uint8).any() and data[0].any()
+    y, ref = dequantize_nvfp4(q, torch.float32).cpu(), dequantize_nvfp4_ref(data, scales, gs)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.nan_to_num(), ref.nan_to_num())
+    assert y[1:].isnan().all() and not y[0].isnan().any()
 
 
 def test_nibble_order_and_rounding_pinned(dev):

@@ -15,6 +15,11 @@ Given ``topk_idx [M, K]`` of *local* expert ids (-1, or any id outside ``[0, L)`
 
 Everything stays on the device: buffers are sized to the static bound ``M*K`` and the number of valid
 slots is ``offsets[L]``, a device scalar. Rows past the valid slots are left untouched (garbage).
+
+Every launcher checks that its arguments agree (shapes, dtypes, devices; no host sync) and raises
+:class:`MoEEpInputError` naming the argument otherwise. What only the device knows has a defined result instead:
+int64 ids of 2^31 and more are "not here" (compared in int64, never narrowed onto another expert), and a slot
+past the end of ``y`` in :func:`unpermute_reduce` makes its row NaN (never read out of bounds).
 """
 
 from __future__ import annotations
@@ -25,35 +30,89 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import check
-from ..triton_runtime import INTERPRETER
+from numbers import Integral
+
+from ..errors import fail
+from ..triton_runtime import INTERPRETER, device as kernel_device
 from . import autotuning
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4
 
 _ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
 _ROUTE_ONE_LAUNCH = 4096  # up to this many ids one program does it all: one launch for decode-sized routes
+_NAN = tl.constexpr(float("nan"))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
 
 
 @dataclass
 class Route:
-    """Where every pick of ``topk_idx [M, K]`` lands in the expert-sorted buffer (all int32, on device)."""
+    """Where every pick of ``topk_idx [M, K]`` lands in the expert-sorted buffer (all int32, on one device).
 
-    counts: torch.Tensor       # [L] valid picks per local expert
-    offsets: torch.Tensor      # [L+1] first slot of each expert; offsets[L] = number of valid slots
-    slot: torch.Tensor         # [M, K] slot of (row, k), -1 when the pick is not here
-    row_of_slot: torch.Tensor  # [M*K] source row of each slot, -1 past offsets[L]
+    :func:`route_experts` makes one. A route built by hand may leave out (None) the parts its consumer does not
+    read: :func:`unpermute_reduce` reads ``slot`` only, :func:`permute_rows` ``slot``, ``offsets`` and
+    ``row_of_slot``. The parts given are checked against each other (:class:`MoEEpInputError`).
+    """
+
+    counts: torch.Tensor | None       # [L] valid picks per local expert
+    offsets: torch.Tensor | None      # [L+1] first slot of each expert; offsets[L] = number of valid slots
+    slot: torch.Tensor | None         # [M, K] slot of (row, k), -1 when the pick is not here
+    row_of_slot: torch.Tensor | None  # [M*K] source row of each slot, -1 past offsets[L]
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`MoEEpInputError` unless the given parts are int32 tensors of agreeing shapes on one device."""
+        dims = {"counts": 1, "offsets": 1, "slot": 2, "row_of_slot": 1}
+        devs = []
+        for name, nd in dims.items():
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                fail(f"type(route.{name})", type(t).__name__, "an int32 torch.Tensor or None")
+            if t.dtype != torch.int32 or t.dim() != nd:
+                fail(f"route.{name}", f"{t.dtype} {tuple(t.shape)}", f"torch.int32, {nd}-D")
+            devs.append(t.device)
+        if any(d != devs[0] for d in devs):
+            fail("route devices", [str(d) for d in devs], "one device for all parts")
+        c, o, sl, r = self.counts, self.offsets, self.slot, self.row_of_slot
+        if c is not None and o is not None and o.shape[0] != c.shape[0] + 1:
+            fail("route.offsets.shape", tuple(o.shape), f"({c.shape[0] + 1},) (counts + 1)")
+        if sl is not None and r is not None and r.shape[0] != sl.numel():
+            fail("route.row_of_slot.shape", tuple(r.shape), f"({sl.numel()},) (M * K of slot {tuple(sl.shape)})")
+
+    def _need(self, *parts: str) -> None:
+        for p in parts:
+            if getattr(self, p) is None:
+                fail(f"route.{p}", None, f"a tensor (this call reads {', '.join(parts)})")
+
+
+def _check_route(route, *parts: str) -> None:
+    if not isinstance(route, Route):
+        fail("type(route)", type(route).__name__, "a Route (from route_experts)")
+    route.check()
+    route._need(*parts)
+
+
+def _check_on_kernel_device(t: torch.Tensor, name: str) -> None:
+    dev = kernel_device()
+    if t.device.type != dev.type:
+        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
 
 
 @triton.jit
 def _load_ids(idx_ptr, valid_ptr, i, N, K, ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr):
     """Local ids of flat picks i, -1 where out of range, not local, or on a row past its group's count."""
-    ids = tl.load(idx_ptr + i, mask=i < N, other=-1).to(tl.int32)
-    ok = (ids >= 0) & (ids < L)
+    raw = tl.load(idx_ptr + i, mask=i < N, other=-1)
+    ok = (raw >= 0) & (raw < L)  # in the ids' own type: an int64 id of 2^31 or more is not narrowed first
     if HAS_VALID:
         row = i // K
-        nvalid = tl.load(valid_ptr + row // ROWS_PER_GROUP, mask=i < N, other=0)
+        nvalid = tl.load(valid_ptr + row // ROWS_PER_GROUP, mask=i < N, other=0)  # int32 or int64: not narrowed
         ok = ok & ((row % ROWS_PER_GROUP) < nvalid)
-    return tl.where(ok, ids, -1)
+    return tl.where(ok, raw.to(tl.int32), -1)
 
 
 @triton.jit
@@ -130,29 +189,51 @@ def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, first_ptr, counts_ptr, off
 
 def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows: torch.Tensor | None = None,
                   rows_per_group: int | None = None) -> Route:
-    """Histogram, offsets and slots of ``topk_idx [M, K]`` (local ids; anything outside [0, L) is skipped).
+    """Histogram, offsets and slots of ``topk_idx [M, K]`` (int32/int64 local ids; anything outside [0, L) is
+    skipped, int64 ids of 2^31 and more included: they are compared in int64, never truncated onto an expert).
 
-    ``valid_rows`` (int tensor ``[G]``, on the device) with ``rows_per_group``: row ``r`` is used only when
+    ``valid_rows`` (int tensor ``[G]``, ``G >= ceil(M / rows_per_group)``, on topk_idx's device) with
+    ``rows_per_group`` (a positive int): row ``r`` is used only when
     ``r % rows_per_group < valid_rows[r // rows_per_group]`` (e.g. RANK_MAJOR's ``src_rank_counts`` with
-    ``T``, or FLAT's ``num_recv`` with ``S``); rows past a count are ignored whatever ids they hold.
-    No host sync.
+    ``T``, or FLAT's ``num_recv`` with ``S``); rows past a count are ignored whatever ids they hold (a negative
+    count: the whole group). No host sync.
     """
-    check(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2, "topk_idx.shape",
-          tuple(getattr(topk_idx, "shape", ())), "[M, K]")
-    check(topk_idx.dtype in (torch.int32, torch.int64), "topk_idx.dtype", topk_idx.dtype, "torch.int32, torch.int64")
-    check(num_local_experts > 0, "num_local_experts", num_local_experts, "> 0")
+    if not isinstance(topk_idx, torch.Tensor):
+        fail("type(topk_idx)", type(topk_idx).__name__, "a torch.Tensor [M, K]")
+    if topk_idx.dim() != 2:
+        fail("topk_idx.shape", tuple(topk_idx.shape), "[M, K]")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        fail("topk_idx.dtype", topk_idx.dtype, "torch.int32, torch.int64")
+    _check_on_kernel_device(topk_idx, "topk_idx")
+    if not (_is_int(num_local_experts) and num_local_experts > 0):
+        fail("num_local_experts", num_local_experts, "a positive int")
     M, K = topk_idx.shape
-    N, L, dev = M * K, num_local_experts, topk_idx.device
+    N, L, dev = M * K, int(num_local_experts), topk_idx.device
+    if N >= 2 ** 31:
+        fail("topk_idx.numel()", N, "< 2**31 (slots are int32)")
+    has_valid = valid_rows is not None
+    if has_valid:
+        if not (_is_int(rows_per_group) and rows_per_group > 0):
+            fail("rows_per_group", rows_per_group, "a positive int (with valid_rows)")
+        if not isinstance(valid_rows, torch.Tensor):
+            fail("type(valid_rows)", type(valid_rows).__name__, "an int torch.Tensor [G]")
+        if valid_rows.dtype.is_floating_point or valid_rows.dtype.is_complex or valid_rows.dtype == torch.bool:
+            fail("valid_rows.dtype", valid_rows.dtype, "an integer dtype (int32, int64)")
+        groups = -(-M // rows_per_group)
+        if valid_rows.dim() != 1 or valid_rows.shape[0] < groups:
+            fail("valid_rows.shape", tuple(valid_rows.shape),
+                 f"[G] with G >= {groups} (one count per group of {rows_per_group} of the {M} rows)")
+        if valid_rows.device != dev:
+            fail("valid_rows.device", str(valid_rows.device), str(dev))
+        if valid_rows.dtype not in (torch.int32, torch.int64):  # narrower ints widen losslessly
+            valid_rows = valid_rows.to(torch.int32)
+        valid_rows = valid_rows.contiguous()
+    elif rows_per_group is not None:
+        fail("rows_per_group", rows_per_group, "None without valid_rows (it sizes valid_rows' groups)")
     counts = torch.empty(L, dtype=torch.int32, device=dev)
     offsets = torch.empty(L + 1, dtype=torch.int32, device=dev)
     slot = torch.empty(M, K, dtype=torch.int32, device=dev)
     row_of_slot = torch.empty(N, dtype=torch.int32, device=dev)
-    has_valid = valid_rows is not None
-    if has_valid:
-        check(rows_per_group is not None and rows_per_group > 0, "rows_per_group", rows_per_group,
-              "a positive int (with valid_rows)")
-        check(valid_rows.device == dev, "valid_rows.device", str(valid_rows.device), str(dev))
-        valid_rows = valid_rows.to(torch.int32).contiguous()
     route = Route(counts, offsets, slot, row_of_slot)
     if N == 0:
         offsets.zero_()
@@ -170,7 +251,7 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
     N, dev, has_valid = M * K, idx.device, valid_rows is not None
     chunk = max(16, triton.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
     C, LP = triton.cdiv(N, chunk), triton.next_power_of_2(L + 1)
-    if warps is None:  # H200: 8 warps route 1024 ids in 6.2 us (4: 8.8), 32768 (chunks of 1024) in 11.7 us (4: 14.2)
+    if warps is None:  # wide chunks keep more ids in flight with 8 warps; measured in docs/PERF.md
         warps = 8 if chunk >= 1024 else 4
     counts, offsets, slot, row_of_slot = out.counts, out.offsets, out.slot, out.row_of_slot
     args = (idx, valid_rows if has_valid else counts)
@@ -196,7 +277,7 @@ def _gather_configs():
 
 @triton.autotune(configs=_gather_configs(), key=["H"])
 @triton.jit
-def _gather_rows_kernel(x_ptr, row_ptr, total_ptr, out_ptr, N, H, stride_x,
+def _gather_rows_kernel(x_ptr, row_ptr, total_ptr, out_ptr, N, M_X, H, stride_x,
                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_m = tl.program_id(0)
     total = tl.load(total_ptr)
@@ -206,7 +287,8 @@ def _gather_rows_kernel(x_ptr, row_ptr, total_ptr, out_ptr, N, H, stride_x,
         live = (rows < N) & (rows < total)
         src = tl.load(row_ptr + rows, mask=live, other=-1).to(tl.int64)
         cmask = cols[None, :] < H
-        v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=(src >= 0)[:, None] & cmask, other=0)
+        inside = (src >= 0) & (src < M_X)  # a hand-made row_of_slot never reads past x
+        v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=inside[:, None] & cmask, other=0)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=live[:, None] & cmask)
 
 
@@ -214,24 +296,54 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
                  out: torch.Tensor | None = None):
     """Rows ``x[row_of_slot]`` into the expert-sorted buffer ``[M*K, H]`` (rows past ``offsets[L]`` untouched).
 
-    ``x [M, H]``: bf16 (or any float dtype), or an ``NvFp4Tensor`` (its packed rows, scales and global
+    ``x [M, H]`` (M = ``route.slot.shape[0]``, on the route's device): any float or integer dtype (bf16 tokens, or
+    the bytes of packed rows), or an ``NvFp4Tensor`` with linear scales (its packed rows, scales and global
     scales -- one, or one per row -- are gathered as they are, no requantization). With ``quantize`` a
     float x is quantized to NVFP4 on the way (``gather_quantize_nvfp4``; ``nvfp4_global_scale`` None =
-    from all of x, on the device; rows past the valid slots are all-zero codes).
+    from all of x, on the device; rows past the valid slots are all-zero codes). ``out``: a contiguous
+    ``[M*K, H]`` tensor of x's dtype and device to write into (plain gathers only).
     """
+    _check_route(route, "offsets", "slot", "row_of_slot")
+    M, N = route.slot.shape[0], route.row_of_slot.shape[0]
+    if not isinstance(quantize, bool):
+        fail("quantize", quantize, "True or False")
     if isinstance(x, NvFp4Tensor):
-        check(len(x.shape) == 2 and not x.swizzled, "x", f"NvFp4Tensor {tuple(x.shape)} swizzled={x.swizzled}",
-              "an NvFp4Tensor [M, H] with linear scales")
+        x.check("x")
+        if len(x.shape) != 2 or x.swizzled:
+            fail("x", f"NvFp4Tensor {tuple(x.shape)} swizzled={x.swizzled}", "an NvFp4Tensor [M, H] with linear scales")
+        if quantize or out is not None or nvfp4_global_scale is not None:
+            fail("quantize / out / nvfp4_global_scale", (quantize, type(out).__name__, type(nvfp4_global_scale).__name__),
+                 "False / None / None with an NvFp4Tensor x (it is gathered as it is)")
+        _check_rows(x.shape[0], M, x.data, route)
         gs = x.global_scale.reshape(-1)
         gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
         return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype),
-                           gs, torch.Size((route.row_of_slot.shape[0], x.shape[1])))
-    check(x.dim() == 2, "x.dim()", x.dim(), "2 ([M, H])")
+                           gs, torch.Size((N, x.shape[1])))
+    if not isinstance(x, torch.Tensor):
+        fail("type(x)", type(x).__name__, "a torch.Tensor [M, H] or an NvFp4Tensor")
+    if x.dim() != 2:
+        fail("x.dim()", x.dim(), "2 ([M, H])")
+    if x.dtype == torch.bool or x.dtype.is_complex:
+        fail("x.dtype", x.dtype, "a real float or integer dtype")
+    _check_rows(x.shape[0], M, x, route)
     if quantize:
+        if out is not None:
+            fail("out", type(out).__name__, "None with quantize=True (a new NvFp4Tensor is returned)")
         if nvfp4_global_scale is None and x.numel() == 0:  # amax of nothing: the all-zero scale
             nvfp4_global_scale = torch.ones((), dtype=torch.float32, device=x.device)
         return gather_quantize_nvfp4(x, route.row_of_slot, nvfp4_global_scale, check_finite=False)
+    if nvfp4_global_scale is not None:
+        fail("nvfp4_global_scale", type(nvfp4_global_scale).__name__, "None unless quantize=True")
     return _gather(x, route, out)
+
+
+def _check_rows(m: int, route_m: int, t: torch.Tensor, route: Route) -> None:
+    """x's rows and device against the route's (fewer rows would be read past x's end)."""
+    if m != route_m:
+        fail("x.shape[0]", m, f"{route_m} (route.slot.shape[0]: the rows the route was made for)")
+    _check_on_kernel_device(t, "x")
+    if t.device != route.slot.device:
+        fail("x.device", str(t.device), f"{route.slot.device} (the route's device)")
 
 
 def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,11 +351,18 @@ def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> t
     N, H = route.row_of_slot.shape[0], x.shape[1]
     if out is None:
         out = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    check(tuple(out.shape) == (N, H) and out.is_contiguous(), "out", tuple(out.shape), f"contiguous ({N}, {H})")
+    else:
+        if not isinstance(out, torch.Tensor):
+            fail("type(out)", type(out).__name__, "a torch.Tensor or None")
+        if tuple(out.shape) != (N, H) or not out.is_contiguous():
+            fail("out", f"{tuple(out.shape)} contiguous={out.is_contiguous()}", f"contiguous ({N}, {H})")
+        if out.dtype != x.dtype or out.device != x.device:
+            fail("out", f"{out.dtype} on {out.device}", f"{x.dtype} on {x.device} (x's)")
     if N and H:
         x2 = x if x.stride(1) == 1 else x.contiguous()
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot, route.offsets[-1:], out, N, H, x2.stride(0))
+        autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot.contiguous(), route.offsets[-1:], out,
+                          N, x2.shape[0], H, x2.stride(0))
     return out
 
 
@@ -256,8 +375,8 @@ def _reduce_configs():
 
 @triton.autotune(configs=_reduce_configs(), key=["H", "K"])
 @triton.jit
-def _unpermute_reduce_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, M, H, K: tl.constexpr, stride_y, HAS_W: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _unpermute_reduce_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, M, H, K: tl.constexpr, N_Y, stride_y,
+                             HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < M
@@ -266,8 +385,8 @@ def _unpermute_reduce_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, M, H, K: tl.conste
     for k in tl.static_range(K):  # fixed k order: the sum is deterministic
         s = tl.load(slot_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int64)
         hit = s >= 0
-        v = tl.load(y_ptr + s[:, None] * stride_y + cols[None, :], mask=hit[:, None] & cmask, other=0.0)
-        v = v.to(tl.float32)
+        v = tl.load(y_ptr + s[:, None] * stride_y + cols[None, :], mask=(hit & (s < N_Y))[:, None] & cmask, other=0.0)
+        v = tl.where((s >= N_Y)[:, None], _NAN, v.to(tl.float32))  # a slot past y's end: NaN, never read
         if HAS_W:
             w = tl.load(w_ptr + rows * K + k, mask=rmask & hit, other=0.0).to(tl.float32)
             v = v * tl.where(hit, w, 0.0)[:, None]
@@ -280,23 +399,51 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
                      out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``out[row] = sum_k w[row, k] * y[slot(row, k)]`` in fp32 (``w`` = 1 when ``weights`` is None).
 
-    ``y [>= offsets[L], H]`` the expert outputs in slot order, ``weights [M, K]``; returns ``[M, H]``
-    (``out_dtype``, or written into ``out``). Rows with no local pick get zeros. No host sync.
+    ``y [>= offsets[L], H]`` (2-D or more: leading dims are flattened) the expert outputs in slot order,
+    bf16/fp16/fp32; ``route`` needs only its ``slot [M, K]``; ``weights [M, K]`` float; returns ``[M, H]``
+    (``out_dtype``, or written into ``out``, contiguous, a float dtype), all on one device. Rows with no local
+    pick get zeros. A row with a slot past the end of ``y`` comes out NaN (how short y is, only the device
+    knows: there is no host sync). No host sync.
     """
-    M, K = route.slot.shape
+    _check_route(route, "slot")
+    if not isinstance(y, torch.Tensor):
+        fail("type(y)", type(y).__name__, "a torch.Tensor [S, H]")
+    if y.dim() < 2:
+        fail("y.shape", tuple(y.shape), "[S, H] (2-D, one row per slot)")
+    if not y.dtype.is_floating_point:
+        fail("y.dtype", y.dtype, "a float dtype (bf16, fp16, fp32)")
+    _check_on_kernel_device(y, "y")
+    slot = route.slot
+    if slot.device != y.device:
+        fail("route.slot.device", str(slot.device), f"{y.device} (y's)")
+    M, K = slot.shape
     H = y.shape[-1]
     y2 = y.reshape(-1, H)
     if out is None:
+        if not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+            fail("out_dtype", out_dtype, "a float torch.dtype")
         out = torch.empty(M, H, dtype=out_dtype, device=y.device)
-    check(tuple(out.shape) == (M, H) and out.is_contiguous(), "out", tuple(out.shape), f"contiguous ({M}, {H})")
+    else:
+        if not isinstance(out, torch.Tensor):
+            fail("type(out)", type(out).__name__, "a torch.Tensor or None")
+        if tuple(out.shape) != (M, H) or not out.is_contiguous():
+            fail("out", f"{tuple(out.shape)} contiguous={out.is_contiguous()}", f"contiguous ({M}, {H})")
+        if not out.dtype.is_floating_point or out.device != y.device:
+            fail("out", f"{out.dtype} on {out.device}", f"a float dtype on {y.device} (y's)")
     if weights is not None:
-        check(tuple(weights.shape) == (M, K), "weights.shape", tuple(weights.shape), f"({M}, {K})")
+        if not isinstance(weights, torch.Tensor):
+            fail("type(weights)", type(weights).__name__, "a float torch.Tensor [M, K] or None")
+        if tuple(weights.shape) != (M, K):
+            fail("weights.shape", tuple(weights.shape), f"({M}, {K})")
+        if not weights.dtype.is_floating_point or weights.device != y.device:
+            fail("weights", f"{weights.dtype} on {weights.device}", f"a float dtype on {y.device} (y's)")
         weights = weights.contiguous()
     if M and H:
         y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        autotuning.launch(_unpermute_reduce_kernel, grid, y2, route.slot, weights if weights is not None else y2, out,
-                          M, H, K, y2.stride(0), HAS_W=weights is not None)
+        autotuning.launch(_unpermute_reduce_kernel, grid, y2, slot.contiguous(),
+                          weights if weights is not None else y2, out, M, H, K, y2.shape[0], y2.stride(0),
+                          HAS_W=weights is not None)
     return out
 
 
@@ -314,12 +461,14 @@ def _compile_checks():
     place = {**ids, "hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
              "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", **shape, "ONE_CHUNK": "constexpr", "CHUNK": "constexpr",
              "LP": "constexpr"}
-    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "H": "i32",
+    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "M_X": "i32",
+              "H": "i32",
               "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
-           "K": "constexpr", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+           "K": "constexpr", "N_Y": "i32", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     big = {"CHUNK": _ROUTE_CHUNK, "LP": 64}
-    checks = [(_route_hist_kernel, hist, {"HAS_VALID": True, **big}), (_route_scan_kernel, scan, {"LP": 64})]
+    checks = [(_route_hist_kernel, hist, {"HAS_VALID": True, **big}), (_route_scan_kernel, scan, {"LP": 64}),
+              (_route_hist_kernel, dict(hist, idx_ptr="*i32", valid_ptr="*i64"), {"HAS_VALID": True, **big})]
     checks += [(_route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, **big,
                                              "CHUNK": _ROUTE_ONE_LAUNCH if one else _ROUTE_CHUNK})
                for v in (False, True) for one in (False, True)]

@@ -1,4 +1,5 @@
-"""NVFP4 quantize / dequantize as Triton kernels, bit-exact with ``moe_ep.reference``.
+"""NVFP4 quantize / dequantize as Triton kernels, bit-exact with ``moe_ep.reference`` (tests compare the two;
+this module does not import it: the global scale and the swizzle are implemented here too).
 
 One program quantizes a ``BLOCK_M x BLOCK_K`` tile: per 16-element block it takes the amax, the E4M3
 scale ``e4m3_rne(min(amax / 6 * gs, 448))``, then E2M1 codes of ``x * (gs / s)``, and writes packed
@@ -8,36 +9,57 @@ way), E2M1 by one fp32 add per element (``e2m1_magnitudes``), ``gs / s`` with ``
 plain ``/`` is an approximate divide on NVIDIA GPUs) and ``amax / 6`` as an fma-corrected multiply
 (``div6``). On the GPU, bf16 input is unpacked by a few lines of inline PTX; the interpreter, which runs
 no inline asm, takes plain ops that give the same bits.
+
+Bad global scales (0, negative, NaN, Inf) held in a device tensor cannot be checked without a host sync, so
+they have a defined result instead: quantizing a row with such a scale writes codes 0 and scale 0, and
+dequantizing it gives NaN (the whole row). Python numbers are checked (:class:`MoEEpInputError`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 import triton
 import triton.language as tl
 
-from ..errors import MoEEpInputError, check
-from ..reference import (NVFP4_BLOCK, nvfp4_global_scale_ref, swizzle_scales_ref, swizzled_scale_shape,
-                         unswizzle_scales_ref)
+from ..errors import MoEEpInputError, check, fail
 from ..triton_runtime import COMPILED, device as kernel_device
 from . import autotuning
 
+NVFP4_BLOCK = 16  # elements per E4M3 block scale
+_GLOBAL_SCALE_NUMERATOR = 448.0 * 6.0  # E4M3 max x E2M1 max: gs = 2688 / amax puts amax at the top of both
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPE_NAMES = "torch.bfloat16, torch.float16, torch.float32"
+
+
+def swizzled_scale_shape(rows: int, scale_cols: int) -> tuple[int, int]:
+    """Padded (rows, scale columns) of the 128x4 swizzled layout: rows to 128, columns to 4."""
+    return -(-rows // 128) * 128, -(-scale_cols // 4) * 4
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
 
 
 @dataclass
 class NvFp4Tensor:
-    """An NVFP4-quantized tensor of logical shape ``shape = [..., K]``.
+    """An NVFP4-quantized tensor of logical shape ``shape = [..., K]`` (K a positive multiple of 16).
 
     - ``data``: uint8 ``[..., K/2]``, element 2i in the low nibble, 2i+1 in the high nibble.
     - ``scales``: float8_e4m3fn, linear ``[..., K/16]``, or, when ``swizzled``, the 128x4 layout
       flattened per slice of ``shape[:-2]``: ``[*shape[:-2], Mp * Cp]`` (rows padded to 128, scale
       columns to 4, padding zero).
-    - ``global_scale``: float32, a scalar tensor, ``[shape[0]]`` (one per slice, e.g. per expert), or
-      one per row (``shape[:-1]``: received tokens keep their source rank's scale).
+    - ``global_scale``: float32, one value (any shape of one element), ``[shape[0]]`` values (one per
+      slice, e.g. per expert), or one per row (``prod(shape[:-1])`` values: received tokens keep their source
+      rank's scale).
     Value of element i: ``e2m1(q_i) * float(s_block) / global_scale``.
+
+    The parts are checked against each other (shapes, dtypes, one device) when the tensor is made, and again
+    by every launcher that takes one (:meth:`check`): a mismatch raises :class:`MoEEpInputError` naming the part.
+    Parts need not be contiguous (launchers copy those that are not).
     """
 
     data: torch.Tensor
@@ -45,6 +67,64 @@ class NvFp4Tensor:
     global_scale: torch.Tensor
     shape: torch.Size
     swizzled: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.shape, (tuple, list)) and all(_is_int(d) and d >= 0 for d in self.shape)):
+            fail("NvFp4Tensor.shape", self.shape, "a tuple or torch.Size of non-negative ints")
+        self.shape = torch.Size(self.shape)
+        self.check("NvFp4Tensor")
+
+    def check(self, name: str = "q") -> None:
+        """Raise :class:`MoEEpInputError` unless the parts agree with ``shape`` and with each other (no sync)."""
+        data, scales, gs, shape = self.data, self.scales, self.global_scale, self.shape
+        try:  # the common case in one expression: launchers call this every step
+            K = shape[-1]
+            ok = (data.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn and gs.dtype == torch.float32
+                  and isinstance(shape, torch.Size) and K > 0 and K % NVFP4_BLOCK == 0 and self.swizzled in (False, True)
+                  and data.shape[:-1] == shape[:-1] and data.shape[-1] == K // 2 and scales.shape == self._scales_shape()
+                  and data.device == scales.device == gs.device)
+            n = gs.numel()
+            ok = ok and (n == 1 or n == math.prod(shape[:-1]) or (len(shape) > 1 and n == shape[0]))
+        except (AttributeError, TypeError, IndexError):
+            ok = False
+        if not ok:
+            self._explain(name)
+
+    def _explain(self, name: str) -> None:
+        """Raise the error naming the first part that does not agree."""
+        data, scales, gs, shape = self.data, self.scales, self.global_scale, self.shape
+        for part, t, dt in (("data", data, torch.uint8), ("scales", scales, torch.float8_e4m3fn),
+                            ("global_scale", gs, torch.float32)):
+            if not isinstance(t, torch.Tensor):
+                fail(f"type({name}.{part})", type(t).__name__, f"a {dt} torch.Tensor")
+            if t.dtype != dt:
+                fail(f"{name}.{part}.dtype", t.dtype, str(dt))
+        if not isinstance(self.swizzled, bool):
+            fail(f"{name}.swizzled", self.swizzled, "True or False")
+        if not (isinstance(shape, torch.Size) and len(shape) >= 1 and shape[-1] > 0 and shape[-1] % NVFP4_BLOCK == 0):
+            fail(f"{name}.shape", tuple(shape) if isinstance(shape, tuple) else shape,
+                 "a torch.Size [..., K] with K a positive multiple of 16")
+        K = shape[-1]
+        if data.shape != (*shape[:-1], K // 2):
+            fail(f"{name}.data.shape", tuple(data.shape), f"{(*shape[:-1], K // 2)} (shape[:-1] + [K/2])")
+        if scales.shape != self._scales_shape():
+            fail(f"{name}.scales.shape", tuple(scales.shape), f"{tuple(self._scales_shape())} (the "
+                 + ("128x4 swizzled layout [*shape[:-2], Mp*Cp]" if self.swizzled else "linear layout [..., K/16]")
+                 + f" for shape {tuple(shape)}, swizzled={self.swizzled})")
+        rows = math.prod(shape[:-1])
+        n = gs.numel()
+        if not (n == 1 or n == rows or (len(shape) > 1 and n == shape[0])):
+            fail(f"{name}.global_scale.numel()", n, f"1, {shape[0]} (one per {name}[i]) or {rows} (one per row)"
+                 if len(shape) > 1 else "1")
+        fail(f"{name} devices (data, scales, global_scale)", (str(data.device), str(scales.device), str(gs.device)),
+             "one device for all parts")
+
+    def _scales_shape(self) -> tuple:
+        shape, kc = self.shape, self.shape[-1] // NVFP4_BLOCK
+        if not self.swizzled:
+            return (*shape[:-1], kc)
+        mp, cp = swizzled_scale_shape(shape[-2] if len(shape) >= 2 else 1, kc)
+        return (*shape[:-2], mp * cp)
 
     @property
     def device(self) -> torch.device:
@@ -55,7 +135,7 @@ class NvFp4Tensor:
         if not self.swizzled:
             return self.scales
         rows = self.shape[-2] if len(self.shape) >= 2 else 1
-        lin = unswizzle_scales_ref(self.scales, rows, self.shape[-1] // NVFP4_BLOCK)
+        lin = unswizzle_scales(self.scales, rows, self.shape[-1] // NVFP4_BLOCK)
         return lin.reshape(*self.shape[:-1], self.shape[-1] // NVFP4_BLOCK)
 
 
@@ -136,7 +216,10 @@ def swizzled_offset(m, c, CP):
 
 # row counts only bound masks and index rows (K and the strides set the vector widths): not specialized on
 # their divisibility, so varying batch sizes reuse one compiled variant instead of up to 3^4
-_ROW_COUNTS = ["R", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET"]
+_NAN = tl.constexpr(float("nan"))
+_INF = tl.constexpr(float("inf"))
+
+_ROW_COUNTS = ["R", "M_SRC", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET"]
 
 
 # 8 bf16 (4 words) -> 8 fp32 (low half shifted up, high half masked: one instruction each; the stock
@@ -180,8 +263,8 @@ def unpack_signs(x, ASM: tl.constexpr):
 @triton.autotune(configs=autotuning.nvfp4_configs(), key=["K_BUCKET", "SWIZZLE"])
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0, "ONE_GS": lambda a: a["rows_per_gs"] >= a["R"]})
 @triton.jit(do_not_specialize=_ROW_COUNTS)
-def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_per_gs, slice_rows, slice_cp,
-                     K_BUCKET, HAS_IDX: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, M_SRC, K, stride_x, rows_per_gs, slice_rows,
+                     slice_cp, K_BUCKET, HAS_IDX: tl.constexpr, SWIZZLE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_GS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -195,7 +278,8 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_
         mask = rmask[None, :] & (sc[:, None] < K // 16)
     if HAS_IDX:
         src = tl.load(idx_ptr + rows, mask=rmask, other=-1).to(tl.int64)
-        lmask = mask & (src >= 0)[None, :]  # rows of index -1 load zeros, so they are written as zeros
+        # rows of index -1 (or outside x's M_SRC rows: never read) load zeros, so they are written as zeros
+        lmask = mask & ((src >= 0) & (src < M_SRC))[None, :]
     else:
         src = tl.minimum(rows, R - 1).to(tl.int64)  # tail rows re-read the last row: their results are not stored
         lmask = mask
@@ -213,9 +297,12 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, K, stride_x, rows_
         gs = tl.load(gs_ptr)
     else:
         gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)[None, :]
+    gs_ok = (gs > 0) & (gs < _INF)  # a bad scale (0, < 0, NaN, Inf): codes 0 and scale 0, sign bits too
+    sg0 = tl.where(gs_ok, sg0, tl.zeros_like(sg0))
+    sg1 = tl.where(gs_ok, sg1, tl.zeros_like(sg1))
 
     amax = tl.maximum(tl.max(tl.abs(x0), axis=2), tl.max(tl.abs(x1), axis=2))
-    y = tl.minimum(div6(amax, COMPILED and x_ptr.dtype.element_ty != tl.float32) * gs, 448.0)
+    y = tl.where(gs_ok, tl.minimum(div6(amax, COMPILED and x_ptr.dtype.element_ty != tl.float32) * gs, 448.0), 0.0)
     s_val, s_byte = e4m3_rne(y)
     inv = tl.where(s_val > 0, tl.math.div_rn(tl.broadcast_to(gs, s_val.shape), tl.where(s_val > 0, s_val, 1.0)), 0.0)
     # code sign = sign of x * inv = sign of x (inv >= +0), so it comes from x's bits
@@ -254,10 +341,16 @@ def _dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, R, K, rows_per_gs, slice_r
         s_off = base[:, None] + swizzled_offset(m[:, None], sc[None, :], slice_cp)
     else:
         s_off = rows.to(tl.int64)[:, None] * (K // 16) + sc[None, :]
-    s_val, _ = e4m3_values_of_bytes(tl.load(s_ptr + s_off, mask=smask, other=0).to(tl.int32))
+    s_byte = tl.load(s_ptr + s_off, mask=smask, other=0).to(tl.int32)
+    s_val, _ = e4m3_values_of_bytes(s_byte)
+    # the byte's exact E4M3 value, as the reference reads it: quantize writes neither, but a scale made
+    # elsewhere may carry a sign bit or be NaN (0x7F / 0xFF)
+    s_val = tl.where((s_byte & 0x7F) == 0x7F, _NAN, tl.where((s_byte & 0x80) != 0, -s_val, s_val))
     gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)
     prod = vals * s_val[:, :, None]
     out = tl.math.div_rn(prod, tl.broadcast_to(gs[:, None, None], prod.shape))
+    gs_ok = (gs > 0) & (gs < _INF)  # rows of a bad global scale (0, < 0, NaN, Inf) are NaN
+    out = tl.where(gs_ok[:, None, None], out, _NAN)
     cols3 = sc[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * K + cols3, out.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None, None] & (cols3 < K))
@@ -274,27 +367,53 @@ def e4m3_values_of_bytes(b):
 
 
 def nvfp4_global_scale(x: torch.Tensor, per_slice: bool = False) -> torch.Tensor:
-    """The default NVFP4 global scale ``2688 / amax(x)`` (1.0 for an all-zero x), on x's device.
-
-    ``per_slice=True`` gives one scale per ``x[i]`` (e.g. per expert of ``[L, N, K]`` weights). No host sync.
+    """The default NVFP4 global scale ``2688 / amax(x)`` as float32, on x's device: a 0-dim tensor, or ``[x.shape[0]]``
+    (one per ``x[i]``, e.g. per expert of ``[L, N, K]`` weights) with ``per_slice=True``. 1.0 where amax is 0
+    (all-zero x, or no elements) or NaN, or where the quotient overflows fp32; 0.0 where amax is Inf (which
+    :func:`quantize_nvfp4` then treats as a bad scale). No host sync.
     """
     _check_x(x, "x")
-    return nvfp4_global_scale_ref(x.detach(), per_slice=per_slice and x.dim() > 1)
+    if not isinstance(per_slice, bool):
+        fail("per_slice", per_slice, "True or False")
+    per_slice = per_slice and x.dim() > 1
+    x = x.detach()
+    if x.numel() == 0:
+        amax = torch.zeros(x.shape[0] if per_slice else (), dtype=torch.float32, device=x.device)
+    else:  # the max of |x| is one of x's values: exact in any dtype
+        amax = torch.linalg.vector_norm(x.flatten(1) if per_slice else x, ord=math.inf, dim=1 if per_slice else None)
+    amax = amax.float()
+    # fp64 division rounded once to fp32 is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits): the IEEE
+    # fp32 division the reference does, where torch's CUDA tensor / scalar would be a reciprocal multiply
+    gs = (_GLOBAL_SCALE_NUMERATOR / amax.double()).float()
+    return torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs))
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    dev = kernel_device()
+    if t.device.type != dev.type:
+        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
 
 
 def _check_x(x, name: str) -> None:
     check(isinstance(x, torch.Tensor), f"type({name})", type(x).__name__, "a torch.Tensor")
-    check(x.dtype in _DTYPES, f"{name}.dtype", x.dtype, "torch.bfloat16, torch.float16, torch.float32")
+    check(x.dtype in _DTYPES, f"{name}.dtype", x.dtype, _DTYPE_NAMES)
     check(x.dim() >= 1, f"{name}.dim()", x.dim(), ">= 1 (last dim K is quantized)")
     check(x.shape[-1] > 0 and x.shape[-1] % NVFP4_BLOCK == 0, f"{name}.shape[-1] (K)", x.shape[-1],
           "a positive multiple of 16 (the NVFP4 block)")
-    dev = kernel_device()
-    check(x.device.type == dev.type, f"{name}.device", str(x.device), f"{dev.type} (where the kernels run here)")
+    _check_device(x, name)
+
+
+def _check_flag(v, name: str) -> None:
+    if not isinstance(v, bool):
+        fail(name, v, "True or False")
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_finite(x: torch.Tensor, name: str) -> None:
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing and not bool(torch.isfinite(x).all()):
+    if not _capturing(x) and not bool(torch.isfinite(x).all()):
         raise MoEEpInputError(f"{name} holds NaN or Inf; allowed: finite values (NVFP4 has no NaN/Inf; "
                               "pass check_finite=False to skip this check and get unspecified codes)")
 
@@ -302,17 +421,19 @@ def _check_finite(x: torch.Tensor, name: str) -> None:
 def _global_scale_arg(global_scale, x: torch.Tensor, lead: int, check_finite: bool) -> torch.Tensor:
     if global_scale is None:
         return nvfp4_global_scale(x)
-    if isinstance(global_scale, (int, float)):
+    if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
         check(global_scale > 0 and global_scale != float("inf"), "global_scale", global_scale,
               "a positive finite number")
         return torch.tensor(float(global_scale), dtype=torch.float32, device=x.device)
     check(isinstance(global_scale, torch.Tensor), "type(global_scale)", type(global_scale).__name__,
-          "None, a float, or a float32 tensor")
+          "None, a positive float, or a float32 tensor")
+    check(global_scale.dtype.is_floating_point, "global_scale.dtype", global_scale.dtype,
+          "a floating dtype (float32 preferred)")
     check(global_scale.numel() in (1, lead) and global_scale.dim() <= 1, "global_scale.shape",
           tuple(global_scale.shape), f"a scalar, [1] or [{lead}] (one per x[i])")
     check(global_scale.device == x.device, "global_scale.device", str(global_scale.device), str(x.device))
-    gs = global_scale.to(torch.float32).reshape(-1 if global_scale.numel() > 1 else ())
-    if check_finite and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    gs = global_scale.detach().to(torch.float32).reshape(-1 if global_scale.numel() > 1 else ())
+    if check_finite and not _capturing(x):
         if not bool(((gs > 0) & torch.isfinite(gs)).all()):
             raise MoEEpInputError(f"global_scale = {gs.tolist()}; allowed: positive finite values")
     return gs.contiguous()
@@ -341,31 +462,35 @@ def _launch_quantize(x2, idx, gs, R, K, rows_per_gs, out_shape, swizzle):
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
         autotuning.launch(_quantize_kernel, grid, x2, idx if idx is not None else x2, gs, data,
-                          scales.view(torch.uint8), R, K, x2.stride(0), rows_per_gs, max(slice_rows, 1), slice_cp,
-                          autotuning.size_bucket(K), HAS_IDX=idx is not None, SWIZZLE=swizzle)
+                          scales.view(torch.uint8), R, x2.shape[0], K, x2.stride(0), rows_per_gs, max(slice_rows, 1),
+                          slice_cp, autotuning.size_bucket(K), HAS_IDX=idx is not None, SWIZZLE=swizzle)
     return NvFp4Tensor(data, scales, gs, torch.Size(out_shape), swizzle)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, swizzle: bool = False,
                    check_finite: bool = True) -> NvFp4Tensor:
-    """Quantize ``x [..., K]`` (bf16/fp16/fp32, K % 16 == 0) to NVFP4.
+    """Quantize ``x [..., K]`` (bf16/fp16/fp32, K % 16 == 0, on the kernels' device) to NVFP4.
 
     ``global_scale``: None (computed on the device as ``2688 / amax(x)``, no host sync), a positive
     float, a scalar tensor, or a ``[x.shape[0]]`` tensor (one scale per slice ``x[i]``, e.g. per expert;
     see :func:`nvfp4_global_scale`). ``swizzle=True`` writes the scales in the 128x4 layout.
 
     NaN/Inf policy: NVFP4 cannot represent them. With ``check_finite=True`` (default) a non-finite x or
-    global scale raises :class:`MoEEpInputError` (this costs one device->host sync; it is skipped while
-    a CUDA graph is being captured). With ``check_finite=False`` no check is made and the codes of a
-    block holding NaN/Inf are unspecified (but the call never fails).
+    a global scale tensor holding a value that is not positive and finite raises :class:`MoEEpInputError`
+    (this costs one device->host sync; it is skipped while a CUDA graph is being captured). With
+    ``check_finite=False`` no check is made: the codes of a block holding NaN/Inf are unspecified (but the
+    call never fails), and rows whose global scale is 0, negative, NaN or Inf get codes 0 and scale 0 (their
+    dequantization is NaN). A Python number that is not positive and finite always raises.
     """
     _check_x(x, "x")
+    _check_flag(swizzle, "swizzle")
+    _check_flag(check_finite, "check_finite")
     if check_finite:
         _check_finite(x, "x")
     K = x.shape[-1]
     lead = x.shape[0] if x.dim() > 1 else 1
     gs = _global_scale_arg(global_scale, x, lead, check_finite)
-    x2 = x.reshape(-1, K)
+    x2 = x.detach().reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     R = x2.shape[0]
@@ -376,62 +501,101 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, swizzle: bool = False,
 def gather_quantize_nvfp4(x: torch.Tensor, row_index: torch.Tensor, global_scale=None, *,
                           swizzle: bool = False, check_finite: bool = True) -> NvFp4Tensor:
     """Quantize the rows ``x[row_index]`` of ``x [M, K]`` into a new ``[len(row_index), K]`` NVFP4 tensor
-    in one pass (the bridge's gather + quantize). ``row_index`` int32/int64 on x's device; an entry of -1
+    in one pass (the bridge's gather + quantize). ``row_index`` int32/int64 ``[N]`` on x's device; an entry of -1
     gives an all-zero row (codes 0, scales 0). ``global_scale`` as in :func:`quantize_nvfp4` but scalar
     only; None computes it from all of x (so it does not depend on which rows are gathered).
-    Indices must lie in [-1, M); with ``check_finite`` (default) this is checked (one host sync).
+    Indices must lie in [-1, M): with ``check_finite`` (default) this is checked (one host sync, skipped under
+    CUDA graph capture) and raises :class:`MoEEpInputError`; unchecked, an index outside ``[0, M)`` gives an
+    all-zero row like -1 (x is never read out of bounds).
     """
     _check_x(x, "x")
     check(x.dim() == 2, "x.dim()", x.dim(), "2 ([M, K])")
-    check(isinstance(row_index, torch.Tensor) and row_index.dim() == 1, "row_index",
-          getattr(row_index, "shape", row_index), "a 1-D int32/int64 tensor")
+    _check_flag(swizzle, "swizzle")
+    _check_flag(check_finite, "check_finite")
+    check(isinstance(row_index, torch.Tensor), "type(row_index)", type(row_index).__name__,
+          "a 1-D int32/int64 torch.Tensor")
+    check(row_index.dim() == 1, "row_index.shape", tuple(row_index.shape), "[N] (1-D)")
     check(row_index.dtype in (torch.int32, torch.int64), "row_index.dtype", row_index.dtype, "int32, int64")
     check(row_index.device == x.device, "row_index.device", str(row_index.device), str(x.device))
     if check_finite:
         _check_finite(x, "x")
-        if row_index.numel() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if row_index.numel() and not _capturing(x):
             lo, hi = int(row_index.min()), int(row_index.max())
             check(lo >= -1 and hi < x.shape[0], "row_index range", (lo, hi), f"[-1, {x.shape[0]})")
     gs = _global_scale_arg(global_scale, x, 1, check_finite)
     check(gs.numel() == 1, "global_scale.numel()", gs.numel(), "1 (one scale for the gathered rows)")
     K = x.shape[1]
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    x2 = x.detach()
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     R = row_index.shape[0]
     return _launch_quantize(x2, row_index.contiguous(), gs, R, K, max(R, 1), (R, K), swizzle)
 
 
 def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Dequantize an :class:`NvFp4Tensor` to ``dtype`` (bf16/fp16/fp32): ``(e2m1(q) * s) / gs`` in fp32."""
+    """Dequantize an :class:`NvFp4Tensor` to ``dtype`` (bf16/fp16/fp32), ``q.shape``: ``(e2m1(q) * s) / gs`` in fp32.
+
+    The parts are checked against ``q.shape`` first (:meth:`NvFp4Tensor.check`). Rows whose global scale is 0,
+    negative, NaN or Inf come out NaN (a device value: checking it would cost a host sync).
+    """
     check(isinstance(q, NvFp4Tensor), "type(q)", type(q).__name__, "NvFp4Tensor")
-    check(dtype in _DTYPES, "dtype", dtype, "torch.bfloat16, torch.float16, torch.float32")
+    check(dtype in _DTYPES, "dtype", dtype, _DTYPE_NAMES)
+    q.check("q")
+    _check_device(q.data, "q.data")
     shape = tuple(q.shape)
     K = shape[-1]
-    R = q.data.numel() // (K // 2) if K else 0
+    R = math.prod(shape[:-1])
     out = torch.empty(shape, dtype=dtype, device=q.device)
-    gs = q.global_scale.reshape(-1).float().contiguous()
-    check(gs.numel() == 1 or (R % gs.numel() == 0 and gs.numel() <= max(R, 1)), "q.global_scale.numel()",
-          gs.numel(), f"1, or a divisor of the {R} rows (one scale per equal run of rows)")
+    gs = q.global_scale.reshape(-1).contiguous()
     rows_per_gs = max(R // gs.numel(), 1) if gs.numel() > 1 else max(R, 1)
     _, slice_rows, slice_cp = _scale_layout(shape, q.swizzled, R)
     if R > 0:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
-        autotuning.launch(_dequantize_kernel, grid, q.data, q.scales.view(torch.uint8), gs, out, R, K, rows_per_gs,
-                          max(slice_rows, 1), slice_cp, autotuning.size_bucket(K), SWIZZLE=q.swizzled)
+        autotuning.launch(_dequantize_kernel, grid, q.data.contiguous(), q.scales.contiguous().view(torch.uint8), gs,
+                          out, R, K, rows_per_gs, max(slice_rows, 1), slice_cp, autotuning.size_bucket(K),
+                          SWIZZLE=q.swizzled)
     return out
 
 
+def _swizzle_offsets(rows: int, scale_cols: int, device) -> torch.Tensor:
+    """int64 ``[rows * scale_cols]``: where linear scale (m, c) lands in a 128x4-swizzled slice (``swizzled_offset``)."""
+    cp = swizzled_scale_shape(rows, scale_cols)[1]
+    m = torch.arange(rows, device=device)[:, None]
+    c = torch.arange(scale_cols, device=device)[None, :]
+    return (((m // 128) * (cp // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4).reshape(-1)
+
+
+def _check_scales_tensor(t, name: str) -> None:
+    check(isinstance(t, torch.Tensor), f"type({name})", type(t).__name__, "a float8_e4m3fn torch.Tensor")
+    check(t.dtype == torch.float8_e4m3fn, f"{name}.dtype", t.dtype, "torch.float8_e4m3fn")
+    check(t.device.type != "meta", f"{name}.device", str(t.device), "a device holding data (not meta)")
+
+
 def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Linear scales ``[..., M, K/16]`` -> the 128x4 swizzled layout (see ``reference.swizzle_scales_ref``)."""
-    check(scales.dtype == torch.float8_e4m3fn, "scales.dtype", scales.dtype, "torch.float8_e4m3fn")
-    check(scales.dim() >= 2, "scales.dim()", scales.dim(), ">= 2 ([..., M, K/16])")
-    return swizzle_scales_ref(scales)
+    """Linear scales float8_e4m3fn ``[..., M, C]`` (C = K/16) -> the 128x4 swizzled layout, flat ``[..., Mp * Cp]``
+    (rows padded to 128, columns to 4, padding zero): scale (m, c) at
+    ``((m // 128) * (Cp // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4``, the layout
+    CUTLASS and ``tl.dot_scaled`` read. Each slice of the leading dims is swizzled on its own."""
+    _check_scales_tensor(scales, "scales")
+    check(scales.dim() >= 2, "scales.dim()", scales.dim(), ">= 2 ([..., M, K/16]; a 1-D tensor is already flat)")
+    *lead, m, c = scales.shape
+    mp, cp = swizzled_scale_shape(m, c)
+    out = torch.zeros(*lead, mp * cp, dtype=torch.uint8, device=scales.device)
+    out.index_copy_(-1, _swizzle_offsets(m, c, scales.device), scales.contiguous().view(torch.uint8).reshape(*lead, m * c))
+    return out.view(torch.float8_e4m3fn)
 
 
 def unswizzle_scales(buf: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle_scales`."""
-    check(buf.dtype == torch.float8_e4m3fn, "buf.dtype", buf.dtype, "torch.float8_e4m3fn")
-    return unswizzle_scales_ref(buf, rows, scale_cols)
-
+    """Inverse of :func:`swizzle_scales`: float8_e4m3fn ``[..., Mp * Cp]`` -> linear ``[..., rows, scale_cols]``
+    (``rows`` > 0, ``scale_cols`` > 0 the unpadded sizes; ``buf.shape[-1]`` must be their padded product)."""
+    _check_scales_tensor(buf, "buf")
+    check(buf.dim() >= 1, "buf.dim()", buf.dim(), ">= 1 ([..., Mp * Cp])")
+    check(_is_int(rows) and rows > 0, "rows", rows, "a positive int")
+    check(_is_int(scale_cols) and scale_cols > 0, "scale_cols", scale_cols, "a positive int")
+    mp, cp = swizzled_scale_shape(rows, scale_cols)
+    check(buf.shape[-1] == mp * cp, "buf.shape[-1]", buf.shape[-1],
+          f"{mp * cp} (rows {rows} padded to {mp} x scale_cols {scale_cols} padded to {cp})")
+    lin = buf.contiguous().view(torch.uint8).index_select(-1, _swizzle_offsets(rows, scale_cols, buf.device))
+    return lin.reshape(*buf.shape[:-1], rows, scale_cols).view(torch.float8_e4m3fn)
 
 
 def _compile_checks():
@@ -442,7 +606,7 @@ def _compile_checks():
             for swz in (False, True):
                 sig = {"x_ptr": f"*{xt}", "idx_ptr": "*i64" if has_idx else f"*{xt}", "gs_ptr": "*fp32",
                        "q_ptr": "*u8", "s_ptr": "*u8", **{a: "i32" for a in (
-                           "R", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
+                           "R", "M_SRC", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
                 for fast in (False, True):
                     checks.append((_quantize_kernel.fn.fn, sig, {"HAS_IDX": has_idx, "SWIZZLE": swz, "BLOCK_M": 16,
                                                                  "BLOCK_K": 512, "EVEN_K": fast, "ONE_GS": fast}))
