@@ -8,33 +8,18 @@ from hypothesis import strategies as st
 from moe_ep.kernels import dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
 from moe_ep.reference import permute_rows_ref, route_experts_ref, unpermute_reduce_ref
+from moe_ep.testing.strategies import Bounds, make_route, route_cases
 from moe_ep.triton_runtime import device
 
+ROUTE_BOUNDS = Bounds(rows=8, k16=4, n16=1, experts=8, top_k=4)  # M up to 24, as the bridge's cases need
 
-@st.composite
-def routes(draw):
-    L = draw(st.integers(1, 8))
-    K = draw(st.integers(1, 4))
-    M = draw(st.integers(0, 24))
-    kind = draw(st.sampled_from(["random", "one_expert", "all_invalid", "out_of_range"]))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    if kind == "random":
-        idx = torch.randint(-1, L, (M, K), generator=g)
-    elif kind == "one_expert":
-        idx = torch.full((M, K), -1)
-        idx[:, 0] = draw(st.integers(0, L - 1))
-    elif kind == "all_invalid":
-        idx = torch.full((M, K), -1)
-    else:  # ids of other ranks' experts are "not here" too
-        idx = torch.randint(-1, 2 * L, (M, K), generator=g)
-    valid = None
-    group = None
-    if M and draw(st.booleans()):
-        group = draw(st.integers(1, M))
-        n_groups = -(-M // group)
-        valid = torch.randint(0, group + 1, (n_groups,), generator=g)
-    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
-    return idx.to(dtype), L, valid, group
+
+def routes():
+    """(topk_idx, L, valid_rows, rows_per_group) of the shared route cases (moe_ep.testing.strategies)."""
+    def tensors(c):
+        idx, valid = make_route(c)
+        return idx, c["L"], valid, c["group"]
+    return route_cases(ROUTE_BOUNDS).map(tensors)
 
 
 @given(routes())

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ["nvfp4", "grouped_gemm.kernels", "grouped_gemm.fp4_decode", "bridge"]
+KERNEL_MODULES = ["nvfp4", "grouped_gemm", "fp4_decode", "bridge"]  # moe_ep.testing.compile_checks.TABLES
 
 SCRIPT = r"""
-import importlib, sys
+import sys
 import moe_ep  # TRITON_INTERPRET=0 is set, so kernels stay compiled JIT functions
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-mod = importlib.import_module("moe_ep.kernels." + sys.argv[1])
-checks = mod._compile_checks()
+from moe_ep.testing.compile_checks import TABLES
+checks = TABLES[sys.argv[1]]()
 assert checks, "no compile checks listed"
 cc = int(sys.argv[2])
 for fn, sig, constexprs in checks:
@@ -32,15 +32,15 @@ print(f"{len(checks)} variants compiled for sm_{cc}")
 # that is what lets Triton pipeline the loads through shared memory), against config_space.smem_bytes, the estimate the
 # autotune prune drops configs by. Formats and epilogues rotate over the configs.
 SMEM_SCRIPT = r"""
-import importlib, sys
+import sys
 import moe_ep
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moe_ep.kernels.grouped_gemm import config_space
-gg = importlib.import_module("moe_ep.kernels.grouped_gemm.kernels")
+from moe_ep.testing.compile_checks import grouped_gemm as grouped_gemm_checks
 cc = int(sys.argv[1])
-kernel, base_sig, base_const = gg._compile_checks()[0]
+kernel, base_sig, base_const = grouped_gemm_checks()[0]
 aligned = ["x_ptr", "xgs_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "rs_ptr", "cnt_ptr", "ready_ptr", "N", "K",
            "KQ", "K16"]
 worst = 0.0

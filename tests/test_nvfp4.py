@@ -12,10 +12,9 @@ from moe_ep.kernels import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4
                             quantize_nvfp4, swizzle_scales, unswizzle_scales)
 from moe_ep.reference import (dequantize_nvfp4_ref, e2m1_codes_ref, nvfp4_global_scale_ref, quantize_nvfp4_ref,
                               swizzle_scales_ref, unswizzle_scales_ref)
+from moe_ep.testing.strategies import VALUE_KINDS, make_values
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# e2m1 rounding midpoints (and their neighbours) in units of gs / s
-MIDPOINTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
 
 @st.composite
@@ -26,32 +25,10 @@ def inputs(draw, max_rows=64, max_k=1024, three_d=True):
         shape = (draw(st.integers(1, 4)), draw(st.integers(1, 8)), k)
     else:
         shape = (draw(st.integers(1, max_rows)), k)
-    kind = draw(st.sampled_from(["normal", "huge", "tiny", "zeros", "zero_rows", "midpoints", "saturating"]))
+    kind = draw(st.sampled_from(VALUE_KINDS))
     dtype = draw(st.sampled_from(DTYPES))
     seed = draw(st.integers(0, 2**31 - 1))
     return make_values(shape, kind, dtype, seed), kind
-
-
-def make_values(shape, kind, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if kind == "huge":
-        x = x.clamp(-6, 6) * (1e4 if dtype == torch.float16 else 1e30)
-    elif kind == "tiny":
-        x = x * (1e-30 if dtype == torch.float32 else 1e-4 if dtype == torch.float16 else 1e-30)
-    elif kind == "zeros":
-        x = x * (torch.rand(shape, generator=g) < 0.5)
-    elif kind == "zero_rows":
-        x = x * (torch.rand(shape[:-1] + (1,), generator=g) < 0.5)
-    elif kind == "midpoints":
-        # blocks whose amax is 6 * 2^j, so with s exact every other value sits on an e2m1 midpoint
-        mids = torch.tensor(MIDPOINTS + [6.0])
-        x = mids[torch.randint(0, len(mids), shape, generator=g)] * torch.sign(torch.randn(shape, generator=g))
-        x.view(-1, 16)[:, 0] = 6.0
-    elif kind == "saturating":
-        x = x * 1e3
-        x.view(-1, 16)[:, 3] = 7e3
-    return x.to(dtype)
 
 
 def assert_same_codes(q: NvFp4Tensor, x, gs):

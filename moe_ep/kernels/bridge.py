@@ -448,33 +448,3 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
 
 
 __all__ = ["Route", "route_experts", "permute_rows", "unpermute_reduce", "NvFp4Tensor"]
-
-
-def _compile_checks():
-    """(raw jit function, signature, constexprs) per kernel variant, for ``triton.compile`` on sm_90/sm_100
-    without a GPU (tests/test_compile.py)."""
-    ids = {"idx_ptr": "*i64", "valid_ptr": "*i32"}
-    shape = {"N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32", "HAS_VALID": "constexpr"}
-    hist = {**ids, "hist_ptr": "*i32", **shape, "CHUNK": "constexpr", "LP": "constexpr"}
-    scan = {"hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "C": "i32",
-            "L": "i32", "LP": "constexpr"}
-    place = {**ids, "hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
-             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", **shape, "ONE_CHUNK": "constexpr", "CHUNK": "constexpr",
-             "LP": "constexpr"}
-    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "M_X": "i32",
-              "H": "i32",
-              "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
-    red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
-           "K": "constexpr", "N_Y": "i32", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
-    big = {"CHUNK": _ROUTE_CHUNK, "LP": 64}
-    checks = [(_route_hist_kernel, hist, {"HAS_VALID": True, **big}), (_route_scan_kernel, scan, {"LP": 64}),
-              (_route_hist_kernel, dict(hist, idx_ptr="*i32", valid_ptr="*i64"), {"HAS_VALID": True, **big})]
-    checks += [(_route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, **big,
-                                             "CHUNK": _ROUTE_ONE_LAUNCH if one else _ROUTE_CHUNK})
-               for v in (False, True) for one in (False, True)]
-    for t in ("bf16", "u8", "fp32"):  # bf16 rows; NVFP4 rows: packed codes and scales (u8), global scales (fp32)
-        checks.append((_gather_rows_kernel.fn, dict(gather, x_ptr=f"*{t}", out_ptr=f"*{t}"),
-                       {"BLOCK_M": 4, "BLOCK_H": 1024}))
-    checks += [(_unpermute_reduce_kernel.fn, red, {"K": 8, "HAS_W": w, "BLOCK_M": 4, "BLOCK_H": 1024})
-               for w in (False, True)]
-    return checks

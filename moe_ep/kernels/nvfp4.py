@@ -596,22 +596,3 @@ def unswizzle_scales(buf: torch.Tensor, rows: int, scale_cols: int) -> torch.Ten
           f"{mp * cp} (rows {rows} padded to {mp} x scale_cols {scale_cols} padded to {cp})")
     lin = buf.contiguous().view(torch.uint8).index_select(-1, _swizzle_offsets(rows, scale_cols, buf.device))
     return lin.reshape(*buf.shape[:-1], rows, scale_cols).view(torch.float8_e4m3fn)
-
-
-def _compile_checks():
-    """(kernel, signature, constexprs) per variant, for tests/test_compile.py (sm_90 / sm_100 builds)."""
-    checks = []
-    for xt in ("bf16", "fp16", "fp32"):
-        for has_idx in (False, True):
-            for swz in (False, True):
-                sig = {"x_ptr": f"*{xt}", "idx_ptr": "*i64" if has_idx else f"*{xt}", "gs_ptr": "*fp32",
-                       "q_ptr": "*u8", "s_ptr": "*u8", **{a: "i32" for a in (
-                           "R", "M_SRC", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
-                for fast in (False, True):
-                    checks.append((_quantize_kernel.fn.fn, sig, {"HAS_IDX": has_idx, "SWIZZLE": swz, "BLOCK_M": 16,
-                                                                 "BLOCK_K": 512, "EVEN_K": fast, "ONE_GS": fast}))
-        for swz in (False, True):
-            sig = {"q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": f"*{xt}",
-                   **{a: "i32" for a in ("R", "K", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
-            checks.append((_dequantize_kernel.fn, sig, {"SWIZZLE": swz, "BLOCK_M": 16, "BLOCK_K": 512}))
-    return checks

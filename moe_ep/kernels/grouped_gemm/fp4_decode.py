@@ -153,15 +153,5 @@ def decode_nvfp4(data: torch.Tensor, scales: torch.Tensor, shape, counts: torch.
 
     grid = lambda meta: (row_programs(meta), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
     launch(_decode_kernel, grid, data, scales, out, counts if masked else data, R, K, K // 4, K // 16, G, m_max,
-                  size_bucket(K), masked)
+           size_bucket(K), masked)
     return out
-
-
-def _compile_checks():
-    """(kernel, signature, constexprs) for tests/test_compile.py (sm_90 / sm_100 builds); the decode functions
-    inside the GEMM are built by grouped_gemm's checks."""
-    def sig(cnt):  # in argument order
-        return {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "cnt_ptr": cnt,
-                **{a: "i32" for a in ("R", "K", "KQ", "K16", "G", "M_MAX", "K_BUCKET")}, "MASKED": "constexpr"}
-    return [(_decode_kernel.fn, sig(cnt), {"MASKED": masked, "BLOCK_M": bm, "BLOCK_K": bk})  # counts: int32 or int64
-            for masked, cnt, bm, bk in ((False, "*u8", 16, 512), (True, "*i32", 64, 128), (True, "*i64", 16, 512))]

@@ -298,37 +298,3 @@ autotuned_kernel = triton.autotune(configs=config_space.grouped_gemm_configs(), 
                                    prune_configs_by={"early_config_prune": config_space.prune_grouped_gemm_configs}
                                    )(launch_kernel)
 """The same, autotuned over the config space (pruned per shape class); ``best_config`` after a launch."""
-
-
-def _compile_checks():
-    """(raw jit function, signature, constexprs) per kernel variant, one representative config each,
-    for ``tests/test_compile.py`` (``triton.compile`` for sm_90 / sm_100 without the interpreter)."""
-    checks = []
-    for ragged in (False, True):
-        for x_dec in (False, True):
-            for w_fp4 in (False, True):
-                for swiglu, has_rs in ((True, False), (False, True)):
-                    for swap, tma in ((True, False), (False, False), (False, True)):
-                        if tma and (w_fp4 or not ragged):
-                            continue
-                        sig = {"x_ptr": "*bf16", "xgs_ptr": "*fp32", "XGS_STRIDE": "i32",
-                               "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
-                               "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
-                               "x_desc": "tensordesc<bf16[128, 64]>", "w_desc": "tensordesc<bf16[128, 64]>",
-                               "ready_ptr": "*i32", "WAIT_BM": "i32", "WAIT_NT": "i32",
-                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "S": "i32", "KQ": "i32",
-                               "K16": "i32", "M_BUCKET": "i32"}
-                        const = {"RAGGED": ragged, "W_FP4": w_fp4, "SWIGLU": swiglu, "HAS_RS": has_rs, "BLOCK_G": 32,
-                                 "X_DECODED": x_dec, "W_DECODED": not (w_fp4 or swiglu),  # decoded NVFP4 copies
-                                 "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
-                                 "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8, "TMA": tma,
-                                 "EVEN_K": ragged,  # both load paths, over the variants
-                                 "PERSISTENT": not ragged and swiglu and not tma,  # both masked grids
-                                 "SIGNAL": swiglu and not tma, "WAIT": not swiglu and not tma,  # as in expert_mlp
-                                 "PDL": not tma}
-                        if not tma:
-                            const.update(x_desc=None, w_desc=None)
-                        for name in const:
-                            sig[name] = "constexpr"
-                        checks.append((_grouped_gemm_kernel, sig, const))
-    return checks

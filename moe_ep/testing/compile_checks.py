@@ -1,0 +1,110 @@
+"""What the compile checks build: ``(raw jit function, signature, constexprs)`` per kernel variant, one function
+per kernel module (:data:`TABLES`), for ``tests/test_compile.py``, which ``triton.compile``\ s each for sm_90 and
+sm_100 in a process without the interpreter (no GPU needed). Test support, so it lives here, not in the kernels."""
+
+from __future__ import annotations
+
+from ..kernels import bridge as _bridge
+from ..kernels import nvfp4 as _nvfp4
+from ..kernels.grouped_gemm import fp4_decode as _fp4_decode
+from ..kernels.grouped_gemm import kernels as _gg_kernels
+
+
+def nvfp4():
+    """(kernel, signature, constexprs) per variant, for tests/test_compile.py (sm_90 / sm_100 builds)."""
+    checks = []
+    for xt in ("bf16", "fp16", "fp32"):
+        for has_idx in (False, True):
+            for swz in (False, True):
+                sig = {"x_ptr": f"*{xt}", "idx_ptr": "*i64" if has_idx else f"*{xt}", "gs_ptr": "*fp32",
+                       "q_ptr": "*u8", "s_ptr": "*u8", **{a: "i32" for a in (
+                           "R", "M_SRC", "K", "stride_x", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
+                for fast in (False, True):
+                    checks.append((_nvfp4._quantize_kernel.fn.fn, sig, {"HAS_IDX": has_idx, "SWIZZLE": swz,
+                                                                        "BLOCK_M": 16,
+                                                                 "BLOCK_K": 512, "EVEN_K": fast, "ONE_GS": fast}))
+        for swz in (False, True):
+            sig = {"q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": f"*{xt}",
+                   **{a: "i32" for a in ("R", "K", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
+            checks.append((_nvfp4._dequantize_kernel.fn, sig, {"SWIZZLE": swz, "BLOCK_M": 16, "BLOCK_K": 512}))
+    return checks
+
+
+def bridge():
+    """(raw jit function, signature, constexprs) per kernel variant, for ``triton.compile`` on sm_90/sm_100
+    without a GPU (tests/test_compile.py)."""
+    ids = {"idx_ptr": "*i64", "valid_ptr": "*i32"}
+    shape = {"N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32", "HAS_VALID": "constexpr"}
+    hist = {**ids, "hist_ptr": "*i32", **shape, "CHUNK": "constexpr", "LP": "constexpr"}
+    scan = {"hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "C": "i32",
+            "L": "i32", "LP": "constexpr"}
+    place = {**ids, "hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
+             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", **shape, "ONE_CHUNK": "constexpr", "CHUNK": "constexpr",
+             "LP": "constexpr"}
+    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "M_X": "i32",
+              "H": "i32", "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
+           "K": "constexpr", "N_Y": "i32", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr",
+           "BLOCK_H": "constexpr"}
+    big = {"CHUNK": _bridge._ROUTE_CHUNK, "LP": 64}
+    checks = [(_bridge._route_hist_kernel, hist, {"HAS_VALID": True, **big}),
+              (_bridge._route_scan_kernel, scan, {"LP": 64}),
+              (_bridge._route_hist_kernel, dict(hist, idx_ptr="*i32", valid_ptr="*i64"), {"HAS_VALID": True, **big})]
+    checks += [(_bridge._route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, **big,
+                                             "CHUNK": _bridge._ROUTE_ONE_LAUNCH if one else _bridge._ROUTE_CHUNK})
+               for v in (False, True) for one in (False, True)]
+    for t in ("bf16", "u8", "fp32"):  # bf16 rows; NVFP4 rows: packed codes and scales (u8), global scales (fp32)
+        checks.append((_bridge._gather_rows_kernel.fn, dict(gather, x_ptr=f"*{t}", out_ptr=f"*{t}"),
+                       {"BLOCK_M": 4, "BLOCK_H": 1024}))
+    checks += [(_bridge._unpermute_reduce_kernel.fn, red, {"K": 8, "HAS_W": w, "BLOCK_M": 4, "BLOCK_H": 1024})
+               for w in (False, True)]
+    return checks
+
+
+def fp4_decode():
+    """(kernel, signature, constexprs) for tests/test_compile.py (sm_90 / sm_100 builds); the decode functions
+    inside the GEMM are built by grouped_gemm's checks."""
+    def sig(cnt):  # in argument order
+        return {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "cnt_ptr": cnt,
+                **{a: "i32" for a in ("R", "K", "KQ", "K16", "G", "M_MAX", "K_BUCKET")}, "MASKED": "constexpr"}
+    # counts: int32 or int64
+    return [(_fp4_decode._decode_kernel.fn, sig(cnt), {"MASKED": masked, "BLOCK_M": bm, "BLOCK_K": bk})
+            for masked, cnt, bm, bk in ((False, "*u8", 16, 512), (True, "*i32", 64, 128), (True, "*i64", 16, 512))]
+
+
+def grouped_gemm():
+    """(raw jit function, signature, constexprs) per kernel variant, one representative config each,
+    for ``tests/test_compile.py`` (``triton.compile`` for sm_90 / sm_100 without the interpreter)."""
+    checks = []
+    for ragged in (False, True):
+        for x_dec in (False, True):
+            for w_fp4 in (False, True):
+                for swiglu, has_rs in ((True, False), (False, True)):
+                    for swap, tma in ((True, False), (False, False), (False, True)):
+                        if tma and (w_fp4 or not ragged):
+                            continue
+                        sig = {"x_ptr": "*bf16", "xgs_ptr": "*fp32", "XGS_STRIDE": "i32",
+                               "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
+                               "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
+                               "x_desc": "tensordesc<bf16[128, 64]>", "w_desc": "tensordesc<bf16[128, 64]>",
+                               "ready_ptr": "*i32", "WAIT_BM": "i32", "WAIT_NT": "i32",
+                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "S": "i32", "KQ": "i32",
+                               "K16": "i32", "M_BUCKET": "i32"}
+                        const = {"RAGGED": ragged, "W_FP4": w_fp4, "SWIGLU": swiglu, "HAS_RS": has_rs, "BLOCK_G": 32,
+                                 "X_DECODED": x_dec, "W_DECODED": not (w_fp4 or swiglu),  # decoded NVFP4 copies
+                                 "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
+                                 "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8, "TMA": tma,
+                                 "EVEN_K": ragged,  # both load paths, over the variants
+                                 "PERSISTENT": not ragged and swiglu and not tma,  # both masked grids
+                                 "SIGNAL": swiglu and not tma, "WAIT": not swiglu and not tma,  # as in expert_mlp
+                                 "PDL": not tma}
+                        if not tma:
+                            const.update(x_desc=None, w_desc=None)
+                        for name in const:
+                            sig[name] = "constexpr"
+                        checks.append((_gg_kernels._grouped_gemm_kernel, sig, const))
+    return checks
+
+
+TABLES = {"nvfp4": nvfp4, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm}
+"""Kernel module -> its variants."""
