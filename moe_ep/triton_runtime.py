@@ -115,7 +115,12 @@ def _patch_interpreter() -> None:
 
     def binary_op(self, lhs, rhs, op):
         if tl.bfloat16 not in (lhs.dtype.scalar, rhs.dtype.scalar):
-            return orig_binary(self, lhs, rhs, op)
+            out = orig_binary(self, lhs, rhs, op)
+            # a comparison's handle carries its operands' type (int32 for ``i < n``) around numpy bools; a splat
+            # of it (scalar & block) then turns the bools into int32, a mask that Triton 3.9's load/store refuse
+            if out.data.dtype == np.bool_ and out.dtype != tl.int1:
+                return TensorHandle(out.data, tl.int1)
+            return out
         out = op(_to_f32(lhs), _to_f32(rhs))
         if out.dtype == np.bool_:
             return TensorHandle(out, tl.int1)
