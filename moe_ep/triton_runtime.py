@@ -8,6 +8,9 @@ known traps in Triton 3.6-3.9, so the same kernel code gives the GPU's answers o
   bf16 operands are upcast to fp32 first, and arithmetic results rounded back to bf16 (RNE).
 * fp32 -> bf16 / fp8 casts truncate or round half-up there; the GPU rounds to nearest even
   (and saturates fp8 with ``satfinite``): casts are done through torch, which rounds like the GPU.
+* a comparison's handle keeps its operands' type (int32 for ``i < n``) around numpy bools, so a splat of a
+  scalar comparison into a block mask became int32, which Triton 3.9's load/store refuse: comparisons are
+  tagged int1 (a no-op where the interpreter already does so).
 * ``@triton.autotune`` asks the (absent) driver for a benchmarker ("0 active drivers"): it gets a
   wall-clock one.
 
