@@ -8,6 +8,9 @@ known traps in Triton 3.6-3.9, so the same kernel code gives the GPU's answers o
   bf16 operands are upcast to fp32 first, and arithmetic results rounded back to bf16 (RNE).
 * fp32 -> bf16 / fp8 casts truncate or round half-up there; the GPU rounds to nearest even
   (and saturates fp8 with ``satfinite``): casts are done through torch, which rounds like the GPU.
+* a comparison's handle keeps its operands' type (int32 for ``i < n``) around numpy bools, so a splat of a
+  scalar comparison into a block mask became int32, which Triton 3.9's load/store refuse: comparisons are
+  tagged int1 (a no-op where the interpreter already does so).
 * ``@triton.autotune`` asks the (absent) driver for a benchmarker ("0 active drivers"): it gets a
   wall-clock one.
 
@@ -115,7 +118,12 @@ def _patch_interpreter() -> None:
 
     def binary_op(self, lhs, rhs, op):
         if tl.bfloat16 not in (lhs.dtype.scalar, rhs.dtype.scalar):
-            return orig_binary(self, lhs, rhs, op)
+            out = orig_binary(self, lhs, rhs, op)
+            # a comparison's handle carries its operands' type (int32 for ``i < n``) around numpy bools; a splat
+            # of it (scalar & block) then turns the bools into int32, a mask that Triton 3.9's load/store refuse
+            if out.data.dtype == np.bool_ and out.dtype != tl.int1:
+                return TensorHandle(out.data, tl.int1)
+            return out
         out = op(_to_f32(lhs), _to_f32(rhs))
         if out.dtype == np.bool_:
             return TensorHandle(out, tl.int1)
