@@ -90,3 +90,22 @@ def test_smem_estimate_bounds_every_config_of_the_space(cc):
     """config_space.smem_bytes is at least what each config's build takes (so a pruned list only holds configs that fit)
     and not far above it (so the prune does not drop configs that would fit)."""
     assert "within it" in _run(SMEM_SCRIPT, str(cc))
+
+
+def test_no_kernel_module_holds_a_nan_global():
+    """A compiled kernel checks at every launch that the globals it read are unchanged, comparing them with ``!=``:
+    a NaN global (NaN != NaN) fails every launch after the first on a GPU, which the interpreter never shows."""
+    import math
+    import pkgutil
+
+    import triton.language as tl
+
+    import moe_ep.kernels as kernels
+    nan_globals = []
+    for info in pkgutil.walk_packages(kernels.__path__, kernels.__name__ + "."):
+        mod = __import__(info.name, fromlist=["_"])
+        for name, v in vars(mod).items():
+            v = v.value if isinstance(v, tl.constexpr) else v
+            if isinstance(v, float) and math.isnan(v):
+                nan_globals.append(f"{info.name}.{name}")
+    assert nan_globals == [], nan_globals

@@ -140,17 +140,19 @@ def test_compute_rejects_something_that_is_not_a_result_type():
 
 
 @pytest.mark.parametrize("alg,lay", SUPPORTED_LAYOUTS, ids=[f"{a.value}-{lay.value}" for a, lay in SUPPORTED_LAYOUTS])
-def test_transports_return_their_layouts_result_type(alg, lay):
-    """The portable transport and NCCL-EP (over its recording stand-in) at world size 1, two steps each."""
+def test_transports_return_their_layouts_result_type(alg, lay, dev):
+    """The portable transport (on the kernels' device) and NCCL-EP (over its recording stand-in, on the CPU) at world
+    size 1, two steps each."""
     c = EpConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=32, max_tokens_per_rank=4,
                  algorithm=alg, layout=lay)
-    ts = [TorchDistTransport(c, device="cpu"),
-          NcclEpTransport(c, group=(1, 0), ep=fake_nccl_ep.make_module(), rank=0, world_size=1, device="cpu")]
-    for t in ts:
+    ts = [(TorchDistTransport(c, device=dev), dev),
+          (NcclEpTransport(c, group=(1, 0), ep=fake_nccl_ep.make_module(), rank=0, world_size=1, device="cpu"),
+           torch.device("cpu"))]
+    for t, on in ts:
         for B in (4, 2):
-            x = torch.randn(B, 128).bfloat16()
-            idx = torch.stack([torch.randperm(8)[:2] for _ in range(B)])
-            res = t.dispatch(x, idx, torch.rand(B, 2))
+            x = torch.randn(B, 128).bfloat16().to(on)
+            idx = torch.stack([torch.randperm(8)[:2] for _ in range(B)]).to(on)
+            res = t.dispatch(x, idx, torch.rand(B, 2, device=on))
             assert type(res) is result_type(c), (t.name, type(res))
-            t.combine(torch.zeros(res.tokens.shape, dtype=torch.bfloat16))
+            t.combine(torch.zeros(res.tokens.shape, dtype=torch.bfloat16, device=on))
         t.close()

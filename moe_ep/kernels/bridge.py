@@ -35,11 +35,10 @@ from numbers import Integral
 from ..errors import fail
 from ..triton_runtime import INTERPRETER, device as kernel_device
 from . import autotuning
-from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4
+from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4, nan_f32
 
 _ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
 _ROUTE_ONE_LAUNCH = 4096  # up to this many ids one program does it all: one launch for decode-sized routes
-_NAN = tl.constexpr(float("nan"))
 
 
 def _is_int(v) -> bool:
@@ -386,7 +385,7 @@ def _unpermute_reduce_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, M, H, K: tl.conste
         s = tl.load(slot_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int64)
         hit = s >= 0
         v = tl.load(y_ptr + s[:, None] * stride_y + cols[None, :], mask=(hit & (s < N_Y))[:, None] & cmask, other=0.0)
-        v = tl.where((s >= N_Y)[:, None], _NAN, v.to(tl.float32))  # a slot past y's end: NaN, never read
+        v = tl.where((s >= N_Y)[:, None], nan_f32(), v.to(tl.float32))  # a slot past y's end: NaN, never read
         if HAS_W:
             w = tl.load(w_ptr + rows * K + k, mask=rmask & hit, other=0.0).to(tl.float32)
             v = v * tl.where(hit, w, 0.0)[:, None]

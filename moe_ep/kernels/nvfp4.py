@@ -214,10 +214,18 @@ def swizzled_offset(m, c, CP):
     return ((m // 128) * (CP // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
 
 
+_INF = tl.constexpr(float("inf"))
+
+
+@triton.jit
+def nan_f32():
+    """A quiet fp32 NaN, made from its bits in the kernel: a NaN global constexpr cannot be used, since the JIT's
+    check that a kernel's globals are unchanged compares them with ``!=``, and NaN != NaN (Triton 3.6-3.9)."""
+    return tl.full([], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+
+
 # row counts only bound masks and index rows (K and the strides set the vector widths): not specialized on
 # their divisibility, so varying batch sizes reuse one compiled variant instead of up to 3^4
-_NAN = tl.constexpr(float("nan"))
-_INF = tl.constexpr(float("inf"))
 
 _ROW_COUNTS = ["R", "M_SRC", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET"]
 
@@ -345,12 +353,12 @@ def _dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, R, K, rows_per_gs, slice_r
     s_val, _ = e4m3_values_of_bytes(s_byte)
     # the byte's exact E4M3 value, as the reference reads it: quantize writes neither, but a scale made
     # elsewhere may carry a sign bit or be NaN (0x7F / 0xFF)
-    s_val = tl.where((s_byte & 0x7F) == 0x7F, _NAN, tl.where((s_byte & 0x80) != 0, -s_val, s_val))
+    s_val = tl.where((s_byte & 0x7F) == 0x7F, nan_f32(), tl.where((s_byte & 0x80) != 0, -s_val, s_val))
     gs = tl.load(gs_ptr + rows // rows_per_gs, mask=rmask, other=1.0)
     prod = vals * s_val[:, :, None]
     out = tl.math.div_rn(prod, tl.broadcast_to(gs[:, None, None], prod.shape))
     gs_ok = (gs > 0) & (gs < _INF)  # rows of a bad global scale (0, < 0, NaN, Inf) are NaN
-    out = tl.where(gs_ok[:, None, None], out, _NAN)
+    out = tl.where(gs_ok[:, None, None], out, nan_f32())
     cols3 = sc[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * K + cols3, out.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None, None] & (cols3 < K))
