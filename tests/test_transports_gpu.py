@@ -21,7 +21,8 @@ def pg():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
+        # a store of this process's own (not a fixed port): xdist workers run this module side by side
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield None
 
 
