@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from .errors import fail
+
 _CUDA = torch.cuda.is_available()
 
 if not _CUDA and "TRITON_INTERPRET" not in os.environ:
@@ -53,6 +55,14 @@ single-rounding fma); the interpreter takes plain ops that give the same values.
 def device() -> torch.device:
     """The device moe-ep kernels run on: the current CUDA device, else the CPU (interpreter)."""
     return torch.device("cuda", torch.cuda.current_device()) if _CUDA else torch.device("cpu")
+
+
+def check_on_kernel_device(t: torch.Tensor, name: str) -> None:
+    """Raise :class:`~moe_ep.MoEEpInputError` unless tensor ``name`` is on the kind of device the kernels run on
+    (checked by every launcher: a CPU tensor given to a CUDA kernel, or a meta tensor, is the caller's mistake)."""
+    dev = device()
+    if t.device.type != dev.type:
+        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
 
 
 _TORCH_OF = {}  # triton scalar type -> torch dtype, for the casts done through torch

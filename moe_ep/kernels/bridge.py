@@ -33,7 +33,7 @@ import triton.language as tl
 from numbers import Integral
 
 from ..errors import fail
-from ..triton_runtime import INTERPRETER, device as kernel_device
+from ..triton_runtime import INTERPRETER, check_on_kernel_device
 from . import autotuning
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4, nan_f32
 
@@ -94,12 +94,6 @@ def _check_route(route, *parts: str) -> None:
         fail("type(route)", type(route).__name__, "a Route (from route_experts)")
     route.check()
     route._need(*parts)
-
-
-def _check_on_kernel_device(t: torch.Tensor, name: str) -> None:
-    dev = kernel_device()
-    if t.device.type != dev.type:
-        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
 
 
 @triton.jit
@@ -203,7 +197,7 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
         fail("topk_idx.shape", tuple(topk_idx.shape), "[M, K]")
     if topk_idx.dtype not in (torch.int32, torch.int64):
         fail("topk_idx.dtype", topk_idx.dtype, "torch.int32, torch.int64")
-    _check_on_kernel_device(topk_idx, "topk_idx")
+    check_on_kernel_device(topk_idx, "topk_idx")
     if not (_is_int(num_local_experts) and num_local_experts > 0):
         fail("num_local_experts", num_local_experts, "a positive int")
     M, K = topk_idx.shape
@@ -340,7 +334,7 @@ def _check_rows(m: int, route_m: int, t: torch.Tensor, route: Route) -> None:
     """x's rows and device against the route's (fewer rows would be read past x's end)."""
     if m != route_m:
         fail("x.shape[0]", m, f"{route_m} (route.slot.shape[0]: the rows the route was made for)")
-    _check_on_kernel_device(t, "x")
+    check_on_kernel_device(t, "x")
     if t.device != route.slot.device:
         fail("x.device", str(t.device), f"{route.slot.device} (the route's device)")
 
@@ -411,7 +405,7 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
         fail("y.shape", tuple(y.shape), "[S, H] (2-D, one row per slot)")
     if not y.dtype.is_floating_point:
         fail("y.dtype", y.dtype, "a float dtype (bf16, fp16, fp32)")
-    _check_on_kernel_device(y, "y")
+    check_on_kernel_device(y, "y")
     slot = route.slot
     if slot.device != y.device:
         fail("route.slot.device", str(slot.device), f"{y.device} (y's)")

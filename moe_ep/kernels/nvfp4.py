@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..errors import MoEEpInputError, check, fail
-from ..triton_runtime import COMPILED, device as kernel_device
+from ..triton_runtime import COMPILED, check_on_kernel_device
 from . import autotuning
 
 NVFP4_BLOCK = 16  # elements per E4M3 block scale
@@ -396,19 +396,13 @@ def nvfp4_global_scale(x: torch.Tensor, per_slice: bool = False) -> torch.Tensor
     return torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs))
 
 
-def _check_device(t: torch.Tensor, name: str) -> None:
-    dev = kernel_device()
-    if t.device.type != dev.type:
-        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
-
-
 def _check_x(x, name: str) -> None:
     check(isinstance(x, torch.Tensor), f"type({name})", type(x).__name__, "a torch.Tensor")
     check(x.dtype in _DTYPES, f"{name}.dtype", x.dtype, _DTYPE_NAMES)
     check(x.dim() >= 1, f"{name}.dim()", x.dim(), ">= 1 (last dim K is quantized)")
     check(x.shape[-1] > 0 and x.shape[-1] % NVFP4_BLOCK == 0, f"{name}.shape[-1] (K)", x.shape[-1],
           "a positive multiple of 16 (the NVFP4 block)")
-    _check_device(x, name)
+    check_on_kernel_device(x, name)
 
 
 def _check_flag(v, name: str) -> None:
@@ -548,7 +542,7 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     check(isinstance(q, NvFp4Tensor), "type(q)", type(q).__name__, "NvFp4Tensor")
     check(dtype in _DTYPES, "dtype", dtype, _DTYPE_NAMES)
     q.check("q")
-    _check_device(q.data, "q.data")
+    check_on_kernel_device(q.data, "q.data")
     shape = tuple(q.shape)
     K = shape[-1]
     R = math.prod(shape[:-1])

@@ -14,7 +14,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...errors import check, fail
-from ...triton_runtime import device as kernel_device
+from ...triton_runtime import check_on_kernel_device
 from ..nvfp4 import NvFp4Tensor
 from . import config_space, kernels, plan as plans, schedule
 from .chain import Link, dependent_launch_supported
@@ -270,38 +270,23 @@ def _check_m_hint(m_hint) -> None:
 
 def _operand(t, name: str, dims: int, what: str):
     """(data, scales bytes, global scale, logical shape, is_fp4) of a bf16 tensor or an NvFp4Tensor."""
-    dev = kernel_device()
     if isinstance(t, NvFp4Tensor):  # (messages are built only on failure: this runs on every call)
+        t.check(name)  # the parts agree with the shape and with each other
         if t.swizzled:
             fail(f"{name}.swizzled", t.swizzled, "False (linear scales)")
-        for part in ("data", "scales", "global_scale"):
-            v = getattr(t, part)
-            if not isinstance(v, torch.Tensor):
-                fail(f"type({name}.{part})", type(v).__name__, "a torch.Tensor")
         shape = tuple(t.shape)
         if len(shape) != dims:
             fail(f"{name}.shape", shape, what)
-        if t.data.dtype != torch.uint8 or tuple(t.data.shape) != (*shape[:-1], shape[-1] // 2):
-            fail(f"{name}.data", f"{t.data.dtype} {tuple(t.data.shape)}", f"uint8 {(*shape[:-1], shape[-1] // 2)}")
-        if t.scales.dtype != torch.float8_e4m3fn or tuple(t.scales.shape) != (*shape[:-1], shape[-1] // 16):
-            fail(f"{name}.scales", f"{t.scales.dtype} {tuple(t.scales.shape)}",
-                 f"float8_e4m3fn {(*shape[:-1], shape[-1] // 16)}")
-        if t.global_scale.dtype != torch.float32:
-            fail(f"{name}.global_scale.dtype", t.global_scale.dtype, "torch.float32")
-        for part in ("data", "scales", "global_scale"):
-            d = getattr(t, part).device
-            if d.type != dev.type:
-                fail(f"{name}.{part}.device", str(d), f"{dev.type} (where the kernels run here)")
+        check_on_kernel_device(t.data, f"{name}.data")  # (check() put every part on one device)
         return (t.data.contiguous(), t.scales.contiguous().view(torch.uint8), t.global_scale.reshape(-1).contiguous(),
-                tuple(t.shape), True)
+                shape, True)
     if not isinstance(t, torch.Tensor):
         fail(f"type({name})", type(t).__name__, "a bf16 torch.Tensor or an NvFp4Tensor")
     if t.dtype != torch.bfloat16:
         fail(f"{name}.dtype", t.dtype, "torch.bfloat16 (or an NvFp4Tensor)")
     if t.dim() != dims:
         fail(f"{name}.shape", tuple(t.shape), what)
-    if t.device.type != dev.type:
-        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
+    check_on_kernel_device(t, name)
     return t.contiguous(), None, None, tuple(t.shape), False
 
 
