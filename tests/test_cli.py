@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moe_ep
+from moe_ep import options
 from moe_ep.cli import main
 from moe_ep.commands.common import PRESETS, get_preset
 from moe_ep.triton_runtime import device
@@ -129,11 +130,12 @@ def test_routed_offsets_spread_rows_around_the_mean():
 
 
 def test_fuzz_passes_on_the_real_kernels(tmp_path, monkeypatch):
-    """(Untimed first configs for the run, and the caller's environment as it was afterwards.)"""
+    """(Untimed first configs for the run, and the caller's options as they were afterwards.)"""
     monkeypatch.delenv("MOE_EP_AUTOTUNE", raising=False)
+    before = options.reload()  # autotune on, not set by the caller: fuzz turns the search off for its run
     assert main(["fuzz", "--targets", "quantize,gather_quantize,route,grouped_gemm", "--examples", "4",
                  "--database", str(tmp_path / "db")]) == 0
-    assert "MOE_EP_AUTOTUNE" not in os.environ
+    assert options.current() == before and options.current().autotune
 
 
 def test_fuzz_jobs_runs_targets_in_parallel_processes(tmp_path, capsys):
