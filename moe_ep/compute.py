@@ -6,11 +6,11 @@
 
 Nothing here syncs with the host: counts, offsets and the number of valid rows stay on the device.
 
-NVFP4 activations: received ``NvFp4Tensor`` tokens keep their source rank's global scale per row, and
-the GEMM takes them as they are (one global scale per row); the bridge gathers their packed rows, scales
-and global scales without requantizing. Tokens that arrive as bf16 when ``activation_format`` is NVFP4
-are quantized here with one scale computed on the device (for the bridge layouts in the same pass as the
-gather).
+NVFP4 activations: received ``NvFp4Tensor`` tokens carry one global scale per row (DESIGN.md, NVFP4), and
+the GEMM takes them as they are; the bridge gathers their packed rows, scales and global scales without
+requantizing. Tokens that arrive as bf16 when ``activation_format`` is NVFP4 are quantized here by the same
+rule (``quantize_nvfp4_tokens``: each row by its own scale, or the config's static one), so garbage rows
+past the counts cannot touch a valid row's codes.
 """
 
 from __future__ import annotations
@@ -21,25 +21,17 @@ from .config import EpConfig, Format
 from .errors import fail
 from .kernels import expert_mlp
 from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
-from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
+from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from .layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                               LowLatencyRankMajor)
 from .weights import ExpertWeights
 
 
-def _zero_garbage(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Rows outside ``valid`` zeroed, so garbage cannot skew a global scale computed from x."""
-    return torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _needs_quantizing(x, nvfp4: bool) -> bool:
-    """bf16 tokens when NVFP4 activations are asked for (NVFP4 tokens go to the GEMM as they are)."""
-    return nvfp4 and not isinstance(x, NvFp4Tensor)
-
-
-def _quantized(x: torch.Tensor, valid: torch.Tensor) -> NvFp4Tensor:
-    """x quantized with one scale, computed on the device from its valid rows."""
-    return quantize_nvfp4(_zero_garbage(x, valid), check_finite=False)
+def _tokens(x, config: EpConfig):
+    """The tokens the GEMM takes: x itself, or x quantized to NVFP4 by the layer's rule (module doc)."""
+    if config.activation_format is Format.NVFP4 and not isinstance(x, NvFp4Tensor):
+        return quantize_nvfp4_tokens(x, config.activation_global_scale)
+    return x
 
 
 def _flat(tokens, M: int, H: int):
@@ -51,57 +43,45 @@ def _flat(tokens, M: int, H: int):
                        gs.reshape(M) if gs.numel() > 1 else gs, torch.Size((M, H)))
 
 
-def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, nvfp4: bool,
+def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, config: EpConfig,
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[L, R*T, H]`` -> ``[L, R*T, H]``: masked MLP, rows past ``expert_counts`` untouched."""
-    x = d.tokens
-    if _needs_quantizing(x, nvfp4):
-        x = _quantized(x, torch.arange(x.shape[1], device=w.device)[None, :] < d.expert_counts[:, None])
-    return expert_mlp(x, w.w13, w.w2, counts=d.expert_counts, m_hint=tokens_per_expert)
+    return expert_mlp(_tokens(d.tokens, config), w.w13, w.w2, counts=d.expert_counts, m_hint=tokens_per_expert)
 
 
 def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_rows: torch.Tensor,
-             rows_per_group: int, w: ExpertWeights, nvfp4: bool, tokens_per_expert: int | None) -> torch.Tensor:
+             rows_per_group: int, w: ExpertWeights, config: EpConfig, tokens_per_expert: int | None) -> torch.Tensor:
     """Route ``[M, K]`` picks, permute rows, ragged MLP, weighted unpermute-reduce -> ``[M, H]``."""
     K = topk_idx.shape[-1]
     M = topk_idx.numel() // K
     route = route_experts(topk_idx.reshape(M, K), w.num_local_experts, valid_rows=valid_rows,
                           rows_per_group=rows_per_group)
-    H = tokens.shape[-1]
-    x = _flat(tokens, M, H)
-    if _needs_quantizing(x, nvfp4):  # quantized in the gather, one scale from the valid rows
-        r = torch.arange(M, device=w.device)
-        valid = (r % rows_per_group) < valid_rows[r // rows_per_group]
-        xs = permute_rows(_zero_garbage(x, valid), route, quantize=True)
-    else:
-        xs = permute_rows(x, route)
+    xs = permute_rows(_tokens(_flat(tokens, M, tokens.shape[-1]), config), route)
     y = expert_mlp(xs, w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
     return unpermute_reduce(y, route, topk_weights.reshape(M, K))
 
 
-def ll_rank_major(d: LowLatencyRankMajor, w: ExpertWeights, nvfp4: bool,
+def ll_rank_major(d: LowLatencyRankMajor, w: ExpertWeights, config: EpConfig,
                   tokens_per_expert: int | None) -> torch.Tensor:
     """``[R, T, H]`` + local ``topk_idx [R, T, K]`` -> ``[R, T, H]`` (weighted sum over local picks)."""
     R, T = d.topk_idx.shape[0], d.topk_idx.shape[1]
-    out = _bridged(d.tokens, d.topk_idx, d.topk_weights, d.src_rank_counts, T, w, nvfp4, tokens_per_expert)
+    out = _bridged(d.tokens, d.topk_idx, d.topk_weights, d.src_rank_counts, T, w, config, tokens_per_expert)
     return out.reshape(R, T, -1)
 
 
-def ht_flat(d: HighThroughputFlat, w: ExpertWeights, nvfp4: bool, tokens_per_expert: int | None) -> torch.Tensor:
+def ht_flat(d: HighThroughputFlat, w: ExpertWeights, config: EpConfig, tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` + local ``topk_idx [S, K]`` -> ``[S, H]`` (weighted sum over local picks; rows past num_recv 0)."""
     S = d.topk_idx.shape[0]
-    return _bridged(d.tokens, d.topk_idx, d.topk_weights, d.num_recv.reshape(1), max(S, 1), w, nvfp4,
+    return _bridged(d.tokens, d.topk_idx, d.topk_weights, d.num_recv.reshape(1), max(S, 1), w, config,
                     tokens_per_expert)
 
 
-def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, nvfp4: bool,
+def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, config: EpConfig,
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
     offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
-    x = d.tokens
-    if _needs_quantizing(x, nvfp4):
-        x = _quantized(x, torch.arange(x.shape[0], device=w.device) < offsets[-1])
-    return expert_mlp(x, w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(), m_hint=tokens_per_expert)
+    return expert_mlp(_tokens(d.tokens, config), w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(),
+                      m_hint=tokens_per_expert)
 
 
 COMPUTE = {LowLatencyExpertMajor: ll_expert_major, LowLatencyRankMajor: ll_rank_major, HighThroughputFlat: ht_flat,
@@ -117,4 +97,4 @@ def expert_compute(config: EpConfig, d: DispatchResult, weights: ExpertWeights,
     fn = COMPUTE.get(type(d))
     if fn is None:
         fail("type(dispatch result)", type(d).__name__, ", ".join(t.__name__ for t in COMPUTE))
-    return fn(d, weights, config.activation_format is Format.NVFP4, tokens_per_expert)
+    return fn(d, weights, config, tokens_per_expert)

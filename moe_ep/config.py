@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -49,6 +51,11 @@ class EpConfig:
     ``hidden_size`` H, ``intermediate_size`` I (per expert), ``max_tokens_per_rank`` T (the most tokens a
     rank passes to one forward), the algorithm and layout, and the formats of the expert weights and of
     the activations the experts consume.
+
+    ``activation_global_scale`` (NVFP4 activations only): None (default) quantizes each token with its own
+    global scale ``2688 / amax(token)``; a positive finite float is one static scale for every token (what an
+    NVFP4 checkpoint ships as ``1 / input_scale``). Either way a token's result never depends on the other
+    tokens of its batch (DESIGN.md, NVFP4).
     """
 
     num_experts: int
@@ -60,6 +67,7 @@ class EpConfig:
     layout: Layout = Layout.EXPERT_MAJOR
     weight_format: Format = Format.BF16
     activation_format: Format = Format.BF16
+    activation_global_scale: float | None = None
 
     def __post_init__(self):
         for name in ("algorithm", "layout", "weight_format", "activation_format"):
@@ -90,6 +98,13 @@ class EpConfig:
                        f"a multiple of {h_mult}" + (" (NVFP4 activations)" if h_mult == 32 else ""))
         if self.intermediate_size % 16:
             raise _err("intermediate_size", self.intermediate_size, "a multiple of 16")
+        gs = self.activation_global_scale
+        if gs is not None:
+            if self.activation_format is not Format.NVFP4:
+                raise _err("activation_global_scale", gs, "None unless activation_format is 'nvfp4'")
+            if isinstance(gs, bool) or not isinstance(gs, numbers.Real) or not 0 < gs < math.inf:
+                raise _err("activation_global_scale", gs, "None (one scale per token) or a positive finite float")
+            object.__setattr__(self, "activation_global_scale", float(gs))
         if (self.algorithm, self.layout) not in SUPPORTED_LAYOUTS:
             raise _err("layout", self.layout.value, " or ".join(repr(lay.value) for alg, lay in SUPPORTED_LAYOUTS
                                                                 if alg is self.algorithm) + f" with {self.algorithm.name}")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import rank_agreement
 from .compute import expert_compute
-from .config import MAX_INT32, EpConfig
+from .config import MAX_INT32, EpConfig, Format
 from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpInputError, MoEEpPeerError, check, fail
 from .transports import TRANSPORTS, make_transport
 from .transports.base import group_rank_world
@@ -165,6 +165,7 @@ class MoEEpLayer(torch.nn.Module):
               ", ".join(repr(t) for t in TRANSPORTS), MoEEpConfigError)
         self.timeout = _timeout(timeout)
         self.config, self.weights, self.group, self.validate = config, weights, group, validate
+        self._finite_tokens = config.activation_format is Format.NVFP4  # validate checks tokens finite too
         self.rank, self.world_size = _rank_world(group)
         self._busy = threading.Lock()  # one forward at a time (MoEEpConcurrentUseError)
         self._graphs = None
@@ -248,14 +249,18 @@ class MoEEpLayer(torch.nn.Module):
         if w.dtype not in _W_DTYPES:
             fail("topk_weights.dtype", w.dtype, "torch.float32, torch.bfloat16, torch.float16")
         if validate and B and not _capturing(x):
-            self._check_values(idx, w)
+            self._check_values(x, idx, w)
 
-    def _check_values(self, idx, w) -> None:
-        """Id ranges, duplicate ids in a row, finite weights: one host sync, details only on failure."""
+    def _check_values(self, x, idx, w) -> None:
+        """Id ranges, duplicate ids in a row, finite weights (and finite tokens, with NVFP4 activations, which
+        cannot hold NaN or Inf): one host sync, details only on failure."""
         E = self.config.num_experts
         s = idx.sort(dim=1).values
         dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
-        bad = torch.stack([(idx < -1).any() | (idx >= E).any(), dup.any(), ~torch.isfinite(w).all()])
+        checks = [(idx < -1).any() | (idx >= E).any(), dup.any(), ~torch.isfinite(w).all()]
+        if self._finite_tokens:
+            checks.append(~torch.isfinite(x).all())
+        bad = torch.stack(checks)
         if not bool(bad.any()):
             return
         if bool(bad[0]):
@@ -265,7 +270,12 @@ class MoEEpLayer(torch.nn.Module):
             row = int(dup.nonzero()[0, 0])
             raise MoEEpInputError(f"topk_idx[{row}] = {idx[row].tolist()}; allowed: distinct expert ids "
                                   "per row (-1 may repeat)")
-        raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
+        if bool(bad[2]):
+            raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
+        row = int((~torch.isfinite(x)).any(dim=1).nonzero()[0, 0])
+        raise MoEEpInputError(f"hidden_states[{row}] holds NaN or Inf; allowed: finite values (NVFP4 activations "
+                              "have no NaN or Inf; with validate=False such a token comes out NaN, the others "
+                              "untouched)")
 
     def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
                 validate: bool | None = None) -> torch.Tensor:
@@ -275,10 +285,13 @@ class MoEEpLayer(torch.nn.Module):
         global expert ids, -1 = no expert; ``topk_weights [B, K]`` float32/bfloat16/float16. Shapes, dtypes,
         devices and ``requires_grad`` (inference only: a tensor that needs a gradient is refused) are always
         checked (:class:`MoEEpInputError`). ``validate`` (default: the layer's flag, True) also checks id
-        ranges, duplicate ids in a row and finite weights, which costs a host sync; it is skipped while a
+        ranges, duplicate ids in a row, finite weights and, with NVFP4 activations, finite hidden states,
+        which costs a host sync; it is skipped while a
         CUDA graph is being captured. Without it, an id outside ``[0, num_experts)`` (-1 or not, int64 ids of
         2**31 and more included) is taken as "no expert": it never lands on another expert. Duplicate ids
-        and non-finite weights are then the caller's to avoid (their result is unspecified, never a crash).
+        and non-finite weights are then the caller's to avoid (their result is unspecified, never a crash);
+        a token holding NaN or Inf with NVFP4 activations comes out NaN (per-token scales; a static
+        ``activation_global_scale`` gives it unspecified values), and no other token changes.
         """
         if validate is None:
             v = self.validate
@@ -296,7 +309,7 @@ class MoEEpLayer(torch.nn.Module):
                 e = self._graphs.static_entry(hidden_states, topk_idx, topk_weights)
                 if e is not None:
                     if v:
-                        self._check_values(topk_idx, topk_weights)
+                        self._check_values(hidden_states, topk_idx, topk_weights)
                     e.graph.replay()
                     return e.out
             try:

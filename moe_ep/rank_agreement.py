@@ -19,6 +19,7 @@ Two protocols keep the ranks of one :class:`~moe_ep.MoEEpLayer` group in step:
 
 from __future__ import annotations
 
+import struct
 from datetime import timedelta
 
 import torch
@@ -27,12 +28,12 @@ import torch.distributed as dist
 from .config import Algorithm, EpConfig, Format, Layout
 from .errors import MoEEpConfigError, MoEEpPeerError
 
-PROTOCOL = 1
+PROTOCOL = 2
 """Bumped when FIELDS change, so ranks running different moe-ep versions say so instead of misreading."""
 
 FIELDS = ("protocol", "world size", "EpConfig.num_experts", "EpConfig.top_k", "EpConfig.hidden_size",
           "EpConfig.intermediate_size", "EpConfig.max_tokens_per_rank", "EpConfig.algorithm", "EpConfig.layout",
-          "EpConfig.weight_format", "EpConfig.activation_format", "weights.format",
+          "EpConfig.weight_format", "EpConfig.activation_format", "EpConfig.activation_global_scale", "weights.format",
           "weights.num_local_experts", "weights.hidden_size", "weights.intermediate_size", "weights device type",
           "transport", "cuda_graph")
 _ENUMS = {"EpConfig.algorithm": Algorithm, "EpConfig.layout": Layout, "EpConfig.weight_format": Format,
@@ -51,13 +52,21 @@ def fingerprint(config: EpConfig, weights, transport: str, cuda_graph: bool, wor
         return list(seq).index(v) if v in list(seq) else len(seq)
     return [PROTOCOL, world, config.num_experts, config.top_k, config.hidden_size, config.intermediate_size,
             config.max_tokens_per_rank, pos(Algorithm, config.algorithm), pos(Layout, config.layout),
-            pos(Format, config.weight_format), pos(Format, config.activation_format), pos(Format, weights.format),
+            pos(Format, config.weight_format), pos(Format, config.activation_format),
+            _scale_bits(config.activation_global_scale), pos(Format, weights.format),
             weights.num_local_experts, weights.hidden_size, weights.intermediate_size,
             pos(_DEVICE_TYPES, weights.device.type), pos(_TRANSPORTS, transport), int(cuda_graph)]
 
 
+def _scale_bits(scale: float | None) -> int:
+    """A static activation scale as the bits of its float64 (None: -1, which no positive float has)."""
+    return -1 if scale is None else struct.unpack("<q", struct.pack("<d", scale))[0]
+
+
 def _shown(field: str, v: int):
     """A fingerprint value as the user wrote it."""
+    if field == "EpConfig.activation_global_scale":
+        return None if v == -1 else struct.unpack("<d", struct.pack("<q", v))[0]
     seq = {"weights device type": _DEVICE_TYPES, "transport": _TRANSPORTS}.get(field)
     if field in _ENUMS:
         seq = [m.value for m in _ENUMS[field]]

@@ -40,6 +40,14 @@ def nvfp4_global_scale_ref(x: torch.Tensor, per_slice: bool = False) -> torch.Te
     return global_scale_from_amax(amax)
 
 
+def nvfp4_row_global_scale_ref(x: torch.Tensor) -> torch.Tensor:
+    """One global scale per row of ``x [..., K]`` (``x.shape[:-1]``): ``2688 / amax(row)``, 1.0 for an all-zero
+    row, NaN for a row holding NaN or Inf (a bad scale: the row quantizes to codes 0 and dequantizes to NaN)."""
+    amax = x.abs().amax(dim=-1) if x.numel() else torch.zeros(x.shape[:-1], device=x.device)
+    gs = global_scale_from_amax(amax)
+    return torch.where(torch.isfinite(amax.float()), gs, torch.full_like(gs, float("nan")))
+
+
 def e2m1_codes_ref(v: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to the nearest E2M1 value (ties to even, saturating at +-6); 4-bit codes.
 
@@ -61,6 +69,8 @@ def e2m1_values_ref(codes: torch.Tensor) -> torch.Tensor:
 def _per_row_global_scale(gs: torch.Tensor, lead: int, rows: int) -> torch.Tensor:
     """Global scale broadcast to ``[lead, 1, 1]`` (one per group of rows) from a scalar or ``lead`` values."""
     gs = gs.float().reshape(-1)
+    if gs.numel() == 0:  # no rows: one scale per row is no scale
+        gs = torch.ones(1, device=gs.device)
     if gs.numel() == 1:
         gs = gs.expand(lead)
     return gs.reshape(lead, 1, 1)

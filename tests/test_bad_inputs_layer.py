@@ -122,6 +122,13 @@ def group_5_with_process_group():
             dist.destroy_process_group()
 
 
+def nvfp4_inf_token():
+    m = MoEEpLayer(cfg(activation_format="nvfp4"), wts())
+    x, idx, w = inputs()
+    x[1, 5] = float("inf")
+    m(x, idx, w)
+
+
 def world2_shard_without_init():
     MoEEpLayer(cfg(), wts(L=E // 2))
 
@@ -138,6 +145,16 @@ CASES = [
     ("config_algorithm_list", lambda: cfg(algorithm=["ll"]), (MoEEpConfigError, "EpConfig.algorithm = ['ll']")),
     ("config_layout_int", lambda: cfg(layout=3), (MoEEpConfigError, "EpConfig.layout = 3")),
     ("config_weight_format_none", lambda: cfg(weight_format=None), (MoEEpConfigError, "EpConfig.weight_format")),
+    ("config_static_scale_with_bf16_activations", lambda: cfg(activation_global_scale=100.0),
+     (MoEEpConfigError, "EpConfig.activation_global_scale = 100.0; allowed: None unless activation_format")),
+    ("config_static_scale_zero", lambda: cfg(activation_format="nvfp4", activation_global_scale=0.0),
+     (MoEEpConfigError, "EpConfig.activation_global_scale = 0.0")),
+    ("config_static_scale_inf", lambda: cfg(activation_format="nvfp4", activation_global_scale=float("inf")),
+     (MoEEpConfigError, "EpConfig.activation_global_scale = inf")),
+    ("config_static_scale_str", lambda: cfg(activation_format="nvfp4", activation_global_scale="1"),
+     (MoEEpConfigError, "EpConfig.activation_global_scale = '1'")),
+    ("config_static_scale_tensor", lambda: cfg(activation_format="nvfp4", activation_global_scale=torch.tensor(2.0)),
+     (MoEEpConfigError, "EpConfig.activation_global_scale = tensor(2.)")),
     ("config_numpy_int_taken_as_int", lambda: (torch.tensor(type(cfg(num_experts=np.int64(4)).num_experts) is int),
                                                torch.tensor(True)), SAME),
     # MoEEpLayer's own arguments, said as MoEEpLayer(<arg>=...)
@@ -183,6 +200,8 @@ CASES = [
      (MoEEpInputError, "topk_weights.dtype = torch.float64")),
     ("forward_id_2_31_validated", lambda: layer()(*inputs(idx=[[0, 1], [2 ** 31, -1], [3, 0]])),
      (MoEEpInputError, "topk_idx range = (-1, 2147483648)")),
+    ("forward_nvfp4_activations_inf_token_validated", nvfp4_inf_token,
+     (MoEEpInputError, "hidden_states[1] holds NaN or Inf")),
     ("forward_concurrent_threads", concurrent_forward, (MoEEpConcurrentUseError, "another thread")),
     # validate=False: ids outside [0, E) are no expert, exactly, never another expert (int64 past int32 included)
     *[(f"unvalidated_id_2_32_plus_1_{a}_{lay}", lambda a=a, lay=lay: same_as_no_expert(a, lay, 2 ** 32 + 1), SAME)

@@ -7,6 +7,7 @@ import moe_ep.layer
 from moe_ep import kernels
 from moe_ep.kernels import bridge, nvfp4
 from moe_ep.testing import properties as P
+from moe_ep.transports import torch_dist
 
 QUANT = dict(rows=3, k=32, kind="normal", dtype="bfloat16", given_scale=False, gather=4, seed=1)
 GEMM = dict(G=2, K=32, N=16, counts=[3, 2], ragged=True, x_fmt="bf16", w_fmt="bf16", swiglu=False, row_scale=False,
@@ -47,6 +48,15 @@ def _miscount(f):
     return wrong
 
 
+def _one_scale_for_the_batch(f):
+    return lambda x, *a: nvfp4.nvfp4_global_scale(x).expand(x.shape[:-1]).contiguous()
+
+
+def _quantize_with_one_batch_scale(f):
+    return lambda x, *a: nvfp4.quantize_nvfp4(x, nvfp4.nvfp4_global_scale(x).expand(x.shape[:-1]).contiguous(),
+                                              check_finite=False)
+
+
 def _scale_the_forward(f):
     return lambda self, *a, **k: f(self, *a, **k) * 1.5
 
@@ -62,6 +72,9 @@ FAULTS = [  # (check, case, where the kernel lives, its name there, the fault, w
     (P.check_permute, ROUTE, bridge, "permute_rows", _bump_a_value, "permuted rows"),
     (P.check_unpermute_reduce, ROUTE, bridge, "unpermute_reduce", _bump_a_value, "relative error"),
     (P.check_layer, LAYER, moe_ep.layer.MoEEpLayer, "forward", _scale_the_forward, "relative error"),
+    (P.check_quantize_tokens, QUANT, nvfp4, "nvfp4_row_global_scale", _one_scale_for_the_batch, "global scales"),
+    (P.check_layer_batch_invariance, LAYER, torch_dist, "quantize_nvfp4_tokens", _quantize_with_one_batch_scale,
+     "batch variance"),
 ]
 
 

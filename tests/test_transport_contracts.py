@@ -169,12 +169,11 @@ def test_nccl_ep_ll_hidden_rule():
 
 @pytest.mark.parametrize("alg,lay", LAYOUTS, ids=IDS)
 def test_nccl_ep_nvfp4_forwards_packed_rows(alg, lay):
-    """bf16 in; codes + e4m3 scales + the rank's global scale travel (FWD); NvFp4Tensor out, per-row scale."""
+    """bf16 in; codes + e4m3 scales + each token's own global scale travel (FWD); NvFp4Tensor out, per-row scale."""
     from moe_ep.triton_runtime import device
     if device().type != "cpu":  # the stand-in library's tensors live on the CPU, the quantize kernel on the GPU
         pytest.skip("needs the kernels on the CPU (the interpreter, as in CI) to meet the CPU stand-in library")
-    from moe_ep.kernels.nvfp4 import quantize_nvfp4
-    from moe_ep.reference import global_scale_from_amax
+    from moe_ep.reference import nvfp4_row_global_scale_ref, quantize_nvfp4_ref
     H = 256
     c = cfg(alg, lay, H=H, act=Format.NVFP4)
     t, ep = nccl(c)
@@ -184,14 +183,15 @@ def test_nccl_ep_nvfp4_forwards_packed_rows(alg, lay):
     d = next(c_ for c_ in ep.calls if c_[0] == "Handle.dispatch")
     assert d[1]._lowpp.tokens._ep_t.datatype == 12 and d[4]._lowpp.quantization_recipe == ep.DispatchQuantizationRecipe.FWD
     assert isinstance(res.tokens, NvFp4Tensor) and res.tokens.shape[-1] == H and not res.tokens.swizzled
-    q = quantize_nvfp4(x, global_scale_from_amax(x.float().abs().amax()), check_finite=False)
+    want_gs = nvfp4_row_global_scale_ref(x)
+    want_data, want_sc, _ = quantize_nvfp4_ref(x, want_gs)
     routed = (idx >= 0).any(1)
     data, sc, gs = (res.tokens.data.reshape(-1, H // 2), res.tokens.scales.reshape(-1, H // 16),
                     res.tokens.global_scale.reshape(-1))
     got = {(bytes(data[i].tolist()), bytes(sc[i].view(torch.uint8).tolist()), float(gs[i])) for i in range(len(data))}
     for b in range(B):
         if routed[b]:
-            want = (bytes(q.data[b].tolist()), bytes(q.scales[b].view(torch.uint8).tolist()), float(q.global_scale))
+            want = (bytes(want_data[b].tolist()), bytes(want_sc[b].view(torch.uint8).tolist()), float(want_gs[b]))
             assert want in got, f"token {b}: codes, scales and global scale arrive unchanged"
 
 

@@ -2,9 +2,9 @@
 
 from .bridge import Route, permute_rows, route_experts, unpermute_reduce
 from .grouped_gemm import GemmPlan, expert_mlp, grouped_gemm, plan_grouped_gemm
-from .nvfp4 import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, quantize_nvfp4,
-                    swizzle_scales, unswizzle_scales)
+from .nvfp4 import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, nvfp4_row_global_scale,
+                    quantize_nvfp4, quantize_nvfp4_tokens, swizzle_scales, unswizzle_scales)
 
 __all__ = ["NvFp4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "gather_quantize_nvfp4", "nvfp4_global_scale",
-           "swizzle_scales", "unswizzle_scales", "grouped_gemm", "expert_mlp", "plan_grouped_gemm", "GemmPlan",
+           "nvfp4_row_global_scale", "quantize_nvfp4_tokens", "swizzle_scales", "unswizzle_scales", "grouped_gemm", "expert_mlp", "plan_grouped_gemm", "GemmPlan",
            "Route", "route_experts", "permute_rows", "unpermute_reduce"]

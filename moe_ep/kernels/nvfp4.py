@@ -396,6 +396,22 @@ def nvfp4_global_scale(x: torch.Tensor, per_slice: bool = False) -> torch.Tensor
     return torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs))
 
 
+def nvfp4_row_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """One NVFP4 global scale per row of ``x [..., K]``: float32 ``x.shape[:-1]``, ``2688 / amax(row)``, so a row's
+    codes depend on that row alone. 1.0 where the row is all zero (or the quotient overflows fp32); NaN where the
+    row holds NaN or Inf, which :func:`quantize_nvfp4` treats as a bad scale (codes 0, scale 0; NaN when
+    dequantized): the row comes out NaN and no other row is touched. No host sync.
+    """
+    _check_x(x, "x")
+    x = x.detach()
+    if x.numel() == 0:
+        return torch.ones(x.shape[:-1], dtype=torch.float32, device=x.device)
+    amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1).float()  # one of the row's values: exact
+    gs = (_GLOBAL_SCALE_NUMERATOR / amax.double()).float()  # correctly rounded, as in nvfp4_global_scale
+    gs = torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs))
+    return torch.where(torch.isfinite(amax), gs, torch.full_like(gs, math.nan))
+
+
 def _check_x(x, name: str) -> None:
     check(isinstance(x, torch.Tensor), f"type({name})", type(x).__name__, "a torch.Tensor")
     check(x.dtype in _DTYPES, f"{name}.dtype", x.dtype, _DTYPE_NAMES)
@@ -420,7 +436,8 @@ def _check_finite(x: torch.Tensor, name: str) -> None:
                               "pass check_finite=False to skip this check and get unspecified codes)")
 
 
-def _global_scale_arg(global_scale, x: torch.Tensor, lead: int, check_finite: bool) -> torch.Tensor:
+def _global_scale_arg(global_scale, x: torch.Tensor, lead: int, check_finite: bool,
+                      per_row: bool = False) -> torch.Tensor:
     if global_scale is None:
         return nvfp4_global_scale(x)
     if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
@@ -431,10 +448,14 @@ def _global_scale_arg(global_scale, x: torch.Tensor, lead: int, check_finite: bo
           "None, a positive float, or a float32 tensor")
     check(global_scale.dtype.is_floating_point, "global_scale.dtype", global_scale.dtype,
           "a floating dtype (float32 preferred)")
-    check(global_scale.numel() in (1, lead) and global_scale.dim() <= 1, "global_scale.shape",
-          tuple(global_scale.shape), f"a scalar, [1] or [{lead}] (one per x[i])")
+    rows_shape = tuple(x.shape[:-1])
+    one_per_row = per_row and tuple(global_scale.shape) == rows_shape
+    if not one_per_row:
+        check(global_scale.numel() in (1, lead) and global_scale.dim() <= 1, "global_scale.shape",
+              tuple(global_scale.shape), f"a scalar, [1] or [{lead}] (one per x[i])"
+              + (f" or {list(rows_shape)} (one per row)" if per_row else ""))
     check(global_scale.device == x.device, "global_scale.device", str(global_scale.device), str(x.device))
-    gs = global_scale.detach().to(torch.float32).reshape(-1 if global_scale.numel() > 1 else ())
+    gs = global_scale.detach().to(torch.float32).reshape(-1 if one_per_row or global_scale.numel() > 1 else ())
     if check_finite and not _capturing(x):
         if not bool(((gs > 0) & torch.isfinite(gs)).all()):
             raise MoEEpInputError(f"global_scale = {gs.tolist()}; allowed: positive finite values")
@@ -474,8 +495,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, swizzle: bool = False,
     """Quantize ``x [..., K]`` (bf16/fp16/fp32, K % 16 == 0, on the kernels' device) to NVFP4.
 
     ``global_scale``: None (computed on the device as ``2688 / amax(x)``, no host sync), a positive
-    float, a scalar tensor, or a ``[x.shape[0]]`` tensor (one scale per slice ``x[i]``, e.g. per expert;
-    see :func:`nvfp4_global_scale`). ``swizzle=True`` writes the scales in the 128x4 layout.
+    float, a scalar tensor, a ``[x.shape[0]]`` tensor (one scale per slice ``x[i]``, e.g. per expert;
+    see :func:`nvfp4_global_scale`), or an ``x.shape[:-1]`` tensor (one per row, see
+    :func:`nvfp4_row_global_scale`). ``swizzle=True`` writes the scales in the 128x4 layout.
 
     NaN/Inf policy: NVFP4 cannot represent them. With ``check_finite=True`` (default) a non-finite x or
     a global scale tensor holding a value that is not positive and finite raises :class:`MoEEpInputError`
@@ -491,13 +513,34 @@ def quantize_nvfp4(x: torch.Tensor, global_scale=None, *, swizzle: bool = False,
         _check_finite(x, "x")
     K = x.shape[-1]
     lead = x.shape[0] if x.dim() > 1 else 1
-    gs = _global_scale_arg(global_scale, x, lead, check_finite)
+    gs = _global_scale_arg(global_scale, x, lead, check_finite, per_row=True)
     x2 = x.detach().reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     R = x2.shape[0]
-    rows_per_gs = max(R // lead, 1) if gs.numel() > 1 else max(R, 1)
+    rows_per_gs = max(R // gs.numel(), 1) if gs.numel() > 1 else max(R, 1)
     return _launch_quantize(x2, None, gs, R, K, rows_per_gs, tuple(x.shape), swizzle)
+
+
+def quantize_nvfp4_tokens(x: torch.Tensor, static_global_scale: float | None = None) -> NvFp4Tensor:
+    """Activations ``x [..., H]`` (bf16/fp16/fp32) -> NVFP4 with one global scale per row (``x.shape[:-1]``), the
+    rule the layer quantizes tokens by: a token's codes never depend on the other tokens of its batch.
+
+    ``static_global_scale``: None takes each row's own ``2688 / amax(row)`` (:func:`nvfp4_row_global_scale`);
+    a positive finite float (what an NVFP4 checkpoint ships as ``1 / input_scale``) is used for every row, values
+    past its range saturating at +-6 * 448 / scale. A row holding NaN or Inf comes out as codes 0 with a NaN
+    global scale under the per-row rule, so it is NaN downstream and spreads to no other row (a static scale
+    gives such a row unspecified codes). No host sync.
+    """
+    if static_global_scale is None:
+        gs = nvfp4_row_global_scale(x)
+    else:
+        _check_x(x, "x")
+        check(isinstance(static_global_scale, (int, float)) and not isinstance(static_global_scale, bool)
+              and 0 < static_global_scale < math.inf, "static_global_scale", static_global_scale,
+              "None (one scale per row) or a positive finite float")
+        gs = torch.full(x.shape[:-1], float(static_global_scale), dtype=torch.float32, device=x.device)
+    return quantize_nvfp4(x, gs, check_finite=False)
 
 
 def gather_quantize_nvfp4(x: torch.Tensor, row_index: torch.Tensor, global_scale=None, *,

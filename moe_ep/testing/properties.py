@@ -105,6 +105,36 @@ def check_gather_quantize(c: dict, dev) -> None:
     assert_bits_equal(q.scales, scales, "block scales of the gathered rows")
 
 
+STATIC_SCALE = 370.0
+"""The static activation global scale the checks use when a case asks for a given scale."""
+
+
+def check_quantize_tokens(c: dict, dev) -> None:
+    """``quantize_nvfp4_tokens`` (one global scale per row, or one static scale) bit-exact with the reference, and
+    batch invariant: row 0's codes, scales and global scale do not change when every other row is scaled by 64 (a
+    large token, or an Inf one past bf16's range) and row 1 is NaN."""
+    from ..kernels import nvfp4
+    from ..reference import nvfp4_row_global_scale_ref, quantize_nvfp4_ref
+    x = S.make_values((c["rows"], c["k"]), c["kind"], getattr(torch, c["dtype"]), c["seed"])
+    static = STATIC_SCALE if c["given_scale"] else None
+    q = nvfp4.quantize_nvfp4_tokens(x.to(dev), static)
+    gs = nvfp4_row_global_scale_ref(x) if static is None else torch.full(x.shape[:-1], static)
+    data, scales, _ = quantize_nvfp4_ref(x, gs)
+    assert_bits_equal(q.global_scale, gs, "per-row global scales")
+    assert_bits_equal(q.scales, scales, "block scales")
+    assert_bits_equal(q.data, data, "E2M1 codes")
+    if x.shape[0] < 2:
+        return
+    company = x * 64
+    company[0] = x[0]
+    company[1] = float("nan")
+    q2 = nvfp4.quantize_nvfp4_tokens(company.to(dev), static)
+    for part in ("data", "scales", "global_scale"):
+        assert_bits_equal(getattr(q2, part)[0], getattr(q, part)[0], f"row 0's {part} in other company (batch variance)")
+    if static is None:  # a NaN token: codes 0 and a NaN scale, so it comes out NaN, not finite
+        assert bool(torch.isnan(q2.global_scale[1].cpu())) and not bool(q2.data[1].any()), "NaN token: NaN scale, codes 0"
+
+
 # --- grouped GEMM ------------------------------------------------------------------------------------------
 
 
@@ -220,6 +250,32 @@ def check_layer(c: dict, dev) -> None:
     assert_rel_close(out, ref, torch.ones(c["B"], dtype=torch.bool), tol, "layer")
 
 
+def check_layer_batch_invariance(c: dict, dev) -> None:
+    """``MoEEpLayer`` with NVFP4 activations (per-token scales, or a static scale when the seed is odd): token 0's
+    output is bit for bit the same when the other tokens of its batch change (every other one scaled by 1000,
+    token 1 Inf, ``validate=False``); under per-token scales token 1 comes out NaN wherever it has an expert."""
+    from ..config import EpConfig
+    from ..layer import MoEEpLayer
+    from ..weights import ExpertWeights
+    c = dict(c, af="nvfp4", H=-(-c["H"] // 32) * 32)
+    x, idx, wts, w13, w2 = S.make_layer_inputs(c)
+    if c["B"] < 2:
+        return
+    alg, lay = c["layout"]
+    static = STATIC_SCALE if c["seed"] % 2 else None
+    cfg = EpConfig(c["E"], c["K"], c["H"], c["I"], c["B"], algorithm=alg, layout=lay, weight_format=c["wf"],
+                   activation_format="nvfp4", activation_global_scale=static)
+    layer = MoEEpLayer(cfg, ExpertWeights(w13.to(dev), w2.to(dev), c["wf"]), validate=False)
+    out = layer(x.to(dev), idx.to(dev), wts.to(dev)).cpu()
+    company = x * 1000
+    company[0] = x[0]
+    company[1] = float("inf")
+    out2 = layer(company.to(dev), idx.to(dev), wts.to(dev)).cpu()
+    assert_bits_equal(out2[0], out[0], "token 0's output in other company (batch variance)")
+    if static is None and bool((idx[1] >= 0).any()):
+        assert bool(torch.isnan(out2[1]).all()), "an Inf token with experts comes out NaN (per-token scales)"
+
+
 class Property(NamedTuple):
     """A target: the strategy of its cases for given :class:`~.strategies.Bounds`, and its check."""
 
@@ -231,10 +287,12 @@ PROPERTIES = {
     "quantize": Property(S.quant_cases, check_quantize),
     "dequantize": Property(S.quant_cases, check_dequantize),
     "gather_quantize": Property(S.quant_cases, check_gather_quantize),
+    "quantize_tokens": Property(S.quant_cases, check_quantize_tokens),
     "grouped_gemm": Property(S.gemm_cases, check_grouped_gemm),
     "expert_mlp": Property(lambda b: S.gemm_cases(b, mlp=True), check_expert_mlp),
     "route": Property(S.route_cases, check_route),
     "permute": Property(S.route_cases, check_permute),
     "unpermute_reduce": Property(S.route_cases, check_unpermute_reduce),
     "layer": Property(S.layer_cases, check_layer),
+    "layer_batch_invariance": Property(S.layer_cases, check_layer_batch_invariance),
 }

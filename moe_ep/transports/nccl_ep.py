@@ -16,8 +16,8 @@ What each layout asks of the library (``nccl_ep.h`` in the wheel; asserts quoted
 | HT EXPERT_MAJOR | tokens [S, H], topk_weights [S] f32 (1-D); S = T*R*K | handle: expert_counters, expert_offsets [L], recv_total_counter [1], all int64 | tokens [B, H] |
 
 LL dispatch also takes ``inputs.topk_weights`` for RANK_MAJOR; HT (forward pass) always. NVFP4 activations
-(as in the portable transport): dispatch takes bf16 rows, quantizes them with this rank's own global scale
-(``2688 / amax``) and sends them with ``DispatchQuantizationRecipe.FWD``: packed FP4 tokens (``ncclFloat4x2``
+(as in the portable transport): dispatch takes bf16 rows, quantizes each with its own global scale
+(``quantize_nvfp4_tokens``: ``2688 / amax(token)``, or the config's static scale) and sends them with ``DispatchQuantizationRecipe.FWD``: packed FP4 tokens (``ncclFloat4x2``
 = 12, ``[B, H/2]``) plus one raw ``uint8`` scale row per token (FWD accepts raw uint8 scales of any 16-byte
 multiple width): the ``H/16`` e4m3 block scales, then the fp32 global scale, zero padded to ``H/16 + 16``
 bytes. The received ``tokens`` are an ``NvFp4Tensor`` with linear scales and a per-row ``global_scale``.
@@ -262,14 +262,13 @@ class NcclEpTransport:
         return self._result
 
     def _quantize(self, x: torch.Tensor):
-        """NVFP4 codes of ``x`` with this rank's global scale, and their scale rows (e4m3 | fp32 gs | 0)."""
-        from ..kernels.nvfp4 import quantize_nvfp4
+        """NVFP4 codes of ``x``, one global scale per token, and their scale rows (e4m3 | fp32 gs | 0)."""
+        from ..kernels.nvfp4 import quantize_nvfp4_tokens
         B, h16 = x.shape[0], self.config.hidden_size // 16
-        q = quantize_nvfp4(x, check_finite=False)  # this rank's scale 2688/amax(x), on the device
+        q = quantize_nvfp4_tokens(x, self.config.activation_global_scale)
         rows = self.bufs["x_scale_rows"][:B]
         rows[:, :h16].copy_(q.scales.view(torch.uint8))
-        rows[:, h16:h16 + 4].copy_(q.global_scale.float().reshape(1, 1).expand(B, 1).contiguous()
-                                   .view(torch.uint8).view(B, 4))
+        rows[:, h16:h16 + 4].copy_(q.global_scale.reshape(B, 1).view(torch.uint8))
         return self.bufs["x_codes"][:B].copy_(q.data), rows
 
     def _plan(self, x, xs, topk_idx, topk_weights):

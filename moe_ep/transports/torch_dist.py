@@ -15,9 +15,9 @@ How a step goes (world size R > 1):
    owner sums them in fp32; LL EXPERT_MAJOR sends one row per pick and the owner applies the routing
    weights (the receive side), in fp32.
 
-NVFP4 activations: dispatch quantizes with the rank's own global scale (computed on the device) and
-ships packed codes + e4m3 scales + that scale; the received ``tokens`` are an ``NvFp4Tensor`` whose
-``global_scale`` holds one value per row (shape ``tokens.shape[:-1]``, each row keeps its source's scale).
+NVFP4 activations: dispatch quantizes each token with its own global scale (or the config's static one;
+``quantize_nvfp4_tokens``, on the device) and ships packed codes + e4m3 scales + that scale; the received
+``tokens`` are an ``NvFp4Tensor`` whose ``global_scale`` holds one value per row (shape ``tokens.shape[:-1]``).
 
 Buffers are allocated once per transport (at their largest size) and reused; the tensors a dispatch
 returns are views of them, valid until the next dispatch.
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..config import EpConfig, Format
 from ..errors import MoEEpConfigError
 from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
-from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
+from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
 from ..rank_agreement import raise_if_peer_failed
@@ -96,8 +96,8 @@ class TorchDistTransport:
         if q is None:
             parts.append(x[rows].view(torch.uint8))
         else:
-            gs = q.global_scale.reshape(1).expand(rows.shape[0]).reshape(-1, 1)
-            parts += [q.data[rows], q.scales[rows].view(torch.uint8), gs.contiguous().view(torch.uint8)]
+            gs = q.global_scale[rows].reshape(-1, 1)
+            parts += [q.data[rows], q.scales[rows].view(torch.uint8), gs.view(torch.uint8)]
         parts += [ids.to(torch.int32).view(torch.uint8), w.float().contiguous().view(torch.uint8)]
         return torch.cat(parts, dim=1)
 
@@ -137,8 +137,8 @@ class TorchDistTransport:
         """Send tokens to the ranks owning their picks; returns the config's layout (module docstring)."""
         x, B = hidden_states, hidden_states.shape[0]
         q = None
-        if self.nvfp4:  # this rank's own global scale, on the device (no tokens -> scale 1)
-            q = quantize_nvfp4(x, check_finite=False)
+        if self.nvfp4:  # one global scale per token, on the device
+            q = quantize_nvfp4_tokens(x, self.config.activation_global_scale)
         c = self._compact()
         R, L = self.world, self.L
         st = {"B": B, "topk_weights": topk_weights}
