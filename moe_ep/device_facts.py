@@ -16,9 +16,19 @@ def _props(index: int):
     return torch.cuda.get_device_properties(index)
 
 
+@lru_cache(maxsize=1)
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def properties():
     """The current CUDA device's properties, read once per device (None without CUDA)."""
-    return _props(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return _props(torch.cuda.current_device()) if _has_cuda() else None
+
+
+def device_index() -> int:
+    """The current CUDA device's index (-1 without CUDA): what caches of per-device decisions key on."""
+    return torch.cuda.current_device() if _has_cuda() else -1
 
 
 def hopper_or_newer() -> bool:

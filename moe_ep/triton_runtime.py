@@ -60,9 +60,9 @@ def device() -> torch.device:
 def check_on_kernel_device(t: torch.Tensor, name: str) -> None:
     """Raise :class:`~moe_ep.MoEEpInputError` unless tensor ``name`` is on the kind of device the kernels run on
     (checked by every launcher: a CPU tensor given to a CUDA kernel, or a meta tensor, is the caller's mistake)."""
-    dev = device()
-    if t.device.type != dev.type:
-        fail(f"{name}.device", str(t.device), f"{dev.type} (where the kernels run here)")
+    kind = "cuda" if _CUDA else "cpu"  # (only the kind: this runs for every tensor of every launch)
+    if t.device.type != kind:
+        fail(f"{name}.device", str(t.device), f"{kind} (where the kernels run here)")
 
 
 _TORCH_OF = {}  # triton scalar type -> torch dtype, for the casts done through torch

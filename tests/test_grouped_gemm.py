@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from moe_ep import MoEEpConfigError, MoEEpInputError, device_facts, options
 from moe_ep.kernels import NvFp4Tensor, expert_mlp, grouped_gemm, nvfp4_global_scale, plan_grouped_gemm, quantize_nvfp4
 from moe_ep.kernels.grouped_gemm import config_space, schedule, tuned_files
+from moe_ep.kernels.grouped_gemm import plan as gemm_plan
 from moe_ep.reference import expert_mlp_ref, grouped_gemm_ref
 from moe_ep.testing.strategies import Bounds, gemm_cases, gemm_operand, make_gemm_operands
 from moe_ep.triton_runtime import device as kernel_device
@@ -31,6 +32,12 @@ kernels = importlib.import_module("moe_ep.kernels.grouped_gemm.kernels")
 chain = importlib.import_module("moe_ep.kernels.grouped_gemm.chain")
 _fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                               HealthCheck.data_too_large])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Every test starts without cached plans: several change the rules plans are made by (monkeypatch)."""
+    gemm_plan.clear_cache()
 
 
 @pytest.fixture(autouse=True)
@@ -260,6 +267,7 @@ def test_masked_persistent_grid_matches_one_program_per_tile(dev, monkeypatch, w
     outs, walked = [], []
     for persistent in (True, False):
         monkeypatch.setattr(schedule, "persistent_grid", lambda a, p=persistent: walked.append(p) or p)
+        gemm_plan.clear_cache()  # plans are cached per call signature; this test changes the rule they come from
         out = torch.full((G, M, H), float("nan"), dtype=torch.bfloat16, device=dev)
         with options.override(autotune="off"):
             _, plans = expert_mlp(x, w13, w2, counts=counts, out=out, m_hint=m_hint, return_plan=True)

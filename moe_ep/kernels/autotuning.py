@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 
 from .. import options
+from . import launch_cache
 from ..triton_runtime import INTERPRETER
 
 
@@ -32,10 +33,11 @@ def nvfp4_configs() -> list[triton.Config]:
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` for a ``triton.autotune`` kernel; under ``MOE_EP_AUTOTUNE=off``
-    (``options.current().autotune`` false) its first config instead, untimed (a fuzz run meets hundreds of new keys;
-    timing every config of each would dominate it)."""
+    """``kernel[grid](*args, **kwargs)`` for a ``triton.autotune`` kernel (through :mod:`.launch_cache`); under
+    ``MOE_EP_AUTOTUNE=off`` (``options.current().autotune`` false) its first config instead, untimed (a fuzz run
+    meets hundreds of new keys; timing every config of each would dominate it)."""
     if options.current().autotune:
-        return kernel[grid](*args, **kwargs)
+        return launch_cache.launch(kernel, grid, *args, **kwargs)
     cfg = kernel.configs[0]
-    return kernel.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **kwargs, **cfg.all_kwargs())
+    launch_cache.launch(kernel.fn, grid(cfg.kwargs) if callable(grid) else grid, *args, **kwargs, **cfg.all_kwargs())
+    return cfg

@@ -34,7 +34,7 @@ from numbers import Integral
 
 from ..errors import fail
 from ..triton_runtime import INTERPRETER, check_on_kernel_device
-from . import autotuning
+from . import autotuning, launch_cache
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4, nan_f32
 
 _ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
@@ -250,15 +250,16 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
     args = (idx, valid_rows if has_valid else counts)
     rest = (N, K, rows_per_group, L)
     if C == 1:
-        _route_place_kernel[(1,)](*args, counts, counts, counts, offsets, slot, row_of_slot, *rest, HAS_VALID=has_valid,
-                                  ONE_CHUNK=True, CHUNK=chunk, LP=LP, num_warps=warps)
+        launch_cache.launch(_route_place_kernel, (1,), *args, counts, counts, counts, offsets, slot, row_of_slot, *rest,
+                            HAS_VALID=has_valid, ONE_CHUNK=True, CHUNK=chunk, LP=LP, num_warps=warps)
     else:
         hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
         first = torch.empty(C, LP, dtype=torch.int32, device=dev)
-        _route_hist_kernel[(C,)](*args, hist, *rest, HAS_VALID=has_valid, CHUNK=chunk, LP=LP, num_warps=warps)
-        _route_scan_kernel[(1,)](hist, first, counts, offsets, C, L, LP=LP, num_warps=4)
-        _route_place_kernel[(C,)](*args, hist, first, counts, offsets, slot, row_of_slot, *rest, HAS_VALID=has_valid,
-                                  ONE_CHUNK=False, CHUNK=chunk, LP=LP, num_warps=warps)
+        launch_cache.launch(_route_hist_kernel, (C,), *args, hist, *rest, HAS_VALID=has_valid, CHUNK=chunk, LP=LP,
+                            num_warps=warps)
+        launch_cache.launch(_route_scan_kernel, (1,), hist, first, counts, offsets, C, L, LP=LP, num_warps=4)
+        launch_cache.launch(_route_place_kernel, (C,), *args, hist, first, counts, offsets, slot, row_of_slot, *rest,
+                            HAS_VALID=has_valid, ONE_CHUNK=False, CHUNK=chunk, LP=LP, num_warps=warps)
 
 
 def _gather_configs():

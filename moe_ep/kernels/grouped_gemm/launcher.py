@@ -15,6 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...errors import check, fail
 from ...triton_runtime import check_on_kernel_device
+from .. import launch_cache
 from ..nvfp4 import NvFp4Tensor
 from . import config_space, kernels, plan as plans, schedule
 from .chain import Link, dependent_launch_supported
@@ -194,10 +195,10 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
             descs = descriptors()
             config_space.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **p.config))
         pdl = dict(launch_pdl=True) if p.pdl and p.chain == "waits" else {}  # GEMM2 as GEMM1's dependent
-        kernels.launch_kernel[programs](*args, *descs, *tail, **flags, **p.config, **pdl)
+        launch_cache.launch(kernels.launch_kernel, programs, *args, *descs, *tail, **flags, **p.config, **pdl)
         return p
-    kernels.autotuned_kernel[programs](*args, *(descriptors() if p.tma_possible else (None, None)), *tail, **flags)
-    best = getattr(kernels.autotuned_kernel, "best_config", None)
+    best = launch_cache.launch(kernels.autotuned_kernel, programs, *args,
+                               *(descriptors() if p.tma_possible else (None, None)), *tail, **flags)
     return plans.autotuned(p, config_space.config_dict(best) if best is not None else None)
 
 

@@ -70,9 +70,32 @@ class GemmPlan:
 def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: bool, G: int, N: int, K: int,
            M_max: int, S: int, m: int, chain: str = "none", pdl: bool = False, config: dict | None = None) -> GemmPlan:
     """The plan of a call with these sizes and formats (``m``: tokens per expert the config is chosen for).
-    ``config``: a forced tile config (checked against the tuned-file schema and this GPU's shared memory)."""
+    ``config``: a forced tile config (checked against the tuned-file schema and this GPU's shared memory).
+
+    Plans without a forced config are cached, keyed by every input: these arguments, the options, the tuned
+    files' versions and the device (a plan is a pure function of them; the cache is bounded)."""
+    if config is not None:
+        return _decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config,
+                       options.current())
+    device = (device_facts.device_index(), device_facts.tma_supported(), device_facts.smem_limit(),
+              device_facts.sm_count())
+    return _cached_decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl,
+                          options.current(), tuned_files.file_versions(), device)
+
+
+def clear_cache() -> None:
+    """Forget the cached plans (for tests that change the rules a plan is made by)."""
+    _cached_decide.cache_clear()
+
+
+@lru_cache(maxsize=4096)
+def _cached_decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, opts, versions,
+                   device):
+    return _decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, None, opts)
+
+
+def _decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config, opts) -> GemmPlan:
     bucket = m_bucket(m)
-    opts = options.current()
     x_dec = x_fp4  # NVFP4 x: always decoded once (it is small, and every column tile reads it)
     w_dec = w_fp4 and bucket >= (opts.decoded_min_m or float("inf"))
     w_tiles_fp4 = w_fp4 and not w_dec
