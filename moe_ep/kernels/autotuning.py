@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 
 from .. import options
-from . import launch_cache
 from ..triton_runtime import INTERPRETER
+from . import launch_cache
 
 
 def size_bucket(n: int, lo: int = 256) -> int:

@@ -25,16 +25,15 @@ past the end of ``y`` in :func:`unpermute_reduce` makes its row NaN (never read 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 import triton
 import triton.language as tl
 
-from numbers import Integral
-
 from ..errors import fail
 from ..triton_runtime import INTERPRETER, check_on_kernel_device
-from . import autotuning, launch_cache
+from . import autotuning, host_math, launch_cache
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4, nan_f32
 
 _ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
@@ -242,8 +241,8 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
     the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it)."""
     M, K = idx.shape
     N, dev, has_valid = M * K, idx.device, valid_rows is not None
-    chunk = max(16, triton.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
-    C, LP = triton.cdiv(N, chunk), triton.next_power_of_2(L + 1)
+    chunk = max(16, host_math.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
+    C, LP = host_math.cdiv(N, chunk), host_math.next_power_of_2(L + 1)
     if warps is None:  # wide chunks keep more ids in flight with 8 warps; measured in docs/PERF.md
         warps = 8 if chunk >= 1024 else 4
     counts, offsets, slot, row_of_slot = out.counts, out.offsets, out.slot, out.row_of_slot
@@ -354,7 +353,7 @@ def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> t
             fail("out", f"{out.dtype} on {out.device}", f"{x.dtype} on {x.device} (x's)")
     if N and H:
         x2 = x if x.stride(1) == 1 else x.contiguous()
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
         autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot.contiguous(), route.offsets[-1:], out,
                           N, x2.shape[0], H, x2.stride(0))
     return out
@@ -434,7 +433,7 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
         weights = weights.contiguous()
     if M and H:
         y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = lambda meta: (host_math.cdiv(M, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
         autotuning.launch(_unpermute_reduce_kernel, grid, y2, slot.contiguous(),
                           weights if weights is not None else y2, out, M, H, K, y2.shape[0], y2.stride(0),
                           HAS_W=weights is not None)

@@ -23,10 +23,9 @@ from triton.compiler import CompiledKernel
 from triton.knobs import HookChain
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.driver import driver as triton_driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..triton_runtime import INTERPRETER
-
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 _MAX_ENTRIES = 512  # per kernel; a caller meeting more keys than this starts over (the cache stays bounded)
 _I32 = (-2 ** 31, 2 ** 31)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..errors import MoEEpInputError, check, fail
 from ..triton_runtime import COMPILED, check_on_kernel_device
-from . import autotuning
+from . import autotuning, host_math
 
 NVFP4_BLOCK = 16  # elements per E4M3 block scale
 _GLOBAL_SCALE_NUMERATOR = 448.0 * 6.0  # E4M3 max x E2M1 max: gs = 2688 / amax puts amax at the top of both
@@ -406,7 +406,7 @@ def nvfp4_row_global_scale(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     if x.numel() == 0:
         return torch.ones(x.shape[:-1], dtype=torch.float32, device=x.device)
-    amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1).float()  # one of the row's values: exact
+    amax = x.abs().amax(dim=-1).float()  # one of the row's values (exact); NaN propagates, on every device
     gs = (_GLOBAL_SCALE_NUMERATOR / amax.double()).float()  # correctly rounded, as in nvfp4_global_scale
     gs = torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs))
     return torch.where(torch.isfinite(amax), gs, torch.full_like(gs, math.nan))
@@ -483,7 +483,7 @@ def _launch_quantize(x2, idx, gs, R, K, rows_per_gs, out_shape, swizzle):
     else:
         scales = torch.empty(*out_shape[:-1], K // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
     if R > 0:
-        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+        grid = lambda meta: (host_math.cdiv(R, meta["BLOCK_M"]), host_math.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
         autotuning.launch(_quantize_kernel, grid, x2, idx if idx is not None else x2, gs, data,
                           scales.view(torch.uint8), R, x2.shape[0], K, x2.stride(0), rows_per_gs, max(slice_rows, 1),
                           slice_cp, autotuning.size_bucket(K), HAS_IDX=idx is not None, SWIZZLE=swizzle)
@@ -594,7 +594,7 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     rows_per_gs = max(R // gs.numel(), 1) if gs.numel() > 1 else max(R, 1)
     _, slice_rows, slice_cp = _scale_layout(shape, q.swizzled, R)
     if R > 0:
-        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_M"]), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+        grid = lambda meta: (host_math.cdiv(R, meta["BLOCK_M"]), host_math.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
         autotuning.launch(_dequantize_kernel, grid, q.data.contiguous(), q.scales.contiguous().view(torch.uint8), gs,
                           out, R, K, rows_per_gs, max(slice_rows, 1), slice_cp, autotuning.size_bucket(K),
                           SWIZZLE=q.swizzled)

@@ -10,6 +10,7 @@ import triton
 from ... import device_facts, options
 from ...errors import MoEEpConfigError
 from ...triton_runtime import INTERPRETER
+from .. import host_math
 
 GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_KEYS = (*GEMM_PARAMS, "TMA", "num_warps", "num_stages")  # a config as the tuned-config file stores it
@@ -22,7 +23,7 @@ SMEM_SLACK = 1024  # bytes past the pipeline's tiles (TMA barriers and the like)
 
 def m_bucket(m: int) -> int:
     """Tokens-per-expert bucket (a power of two >= 8): the M part of the autotune key and shape class."""
-    return max(8, triton.next_power_of_2(max(int(m), 1)))
+    return max(8, host_math.next_power_of_2(max(int(m), 1)))
 
 
 def shape_class(n: int, k: int, w_fp4: bool, swiglu: bool) -> str:
@@ -146,8 +147,8 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         right_kind.append(c)
         if swiglu and not kw["SWAP_AB"] and kw["BLOCK_M"] * kw["BLOCK_N"] > 128 * 128 and not INTERPRETER:
             continue  # gate and up accumulators: twice the registers
-        too_wide = kw["BLOCK_N"] > max(triton.next_power_of_2(n), 16) or kw["BLOCK_K"] > max(
-            triton.next_power_of_2(k), 32)
+        too_wide = kw["BLOCK_N"] > max(host_math.next_power_of_2(n), 16) or kw["BLOCK_K"] > max(
+            host_math.next_power_of_2(k), 32)
         if too_wide and not INTERPRETER:
             continue
         keep.append(c)
@@ -156,7 +157,7 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     if options.current().autotune_quick and len(keep) > 3:  # bounded search (benchmarks' --quick)
         keep = keep[:2] + keep[-1:]
     if not INTERPRETER and len(keep) > 1:
-        full = [c for c in keep if groups * triton.cdiv(m, c.kwargs["BLOCK_M"]) * triton.cdiv(n, c.kwargs["BLOCK_N"])
+        full = [c for c in keep if groups * host_math.cdiv(m, c.kwargs["BLOCK_M"]) * host_math.cdiv(n, c.kwargs["BLOCK_N"])
                 >= device_facts.sm_count()]
         keep = full or keep
     if not keep:  # nothing of the right order fits: the space is broken (or the GPU tiny), not the shape

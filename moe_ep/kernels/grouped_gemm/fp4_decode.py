@@ -17,9 +17,9 @@ import triton.language as tl
 
 from ... import device_facts
 from ...triton_runtime import COMPILED
+from .. import host_math
 from ..autotuning import launch, nvfp4_configs, size_bucket
 from ..nvfp4 import e4m3_values_of_bytes
-
 
 # Two int16 words of 4 codes ($4: e0 low, e1 high) -> 4 bf16x2 registers, $i = code i of e0 and of e1: mask, one
 # multiply to put the magnitude into the exponent LSBs / mantissa MSB and the sign into bit 15 (code 1 lands on a bf16
@@ -146,12 +146,12 @@ def decode_nvfp4(data: torch.Tensor, scales: torch.Tensor, shape, counts: torch.
     G, m_max = (shape[0], shape[1]) if masked else (1, R)
 
     def row_programs(meta):  # masked: a few programs per group, enough for every SM, each walking row blocks
-        blocks = triton.cdiv(m_max, meta["BLOCK_M"])
+        blocks = host_math.cdiv(m_max, meta["BLOCK_M"])
         if not masked:
             return blocks
-        return G * min(blocks, max(1, 4 * device_facts.sm_count() // (G * triton.cdiv(K, meta["BLOCK_K"]))))
+        return G * min(blocks, max(1, 4 * device_facts.sm_count() // (G * host_math.cdiv(K, meta["BLOCK_K"]))))
 
-    grid = lambda meta: (row_programs(meta), triton.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+    grid = lambda meta: (row_programs(meta), host_math.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
     launch(_decode_kernel, grid, data, scales, out, counts if masked else data, R, K, K // 4, K // 16, G, m_max,
            size_bucket(K), masked)
     return out

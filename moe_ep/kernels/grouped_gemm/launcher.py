@@ -10,14 +10,14 @@ import numbers
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...errors import check, fail
 from ...triton_runtime import check_on_kernel_device
-from .. import launch_cache
+from .. import host_math, launch_cache
 from ..nvfp4 import NvFp4Tensor
-from . import config_space, kernels, plan as plans, schedule
+from . import config_space, kernels, schedule
+from . import plan as plans
 from .chain import Link, dependent_launch_supported
 from .chain import enabled as chain_enabled
 from .config_space import DECODE_MAX_M, m_bucket
@@ -138,7 +138,7 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
     h = call1.out
     second = None
     if first is not None and p1.config is not None:  # chained, and GEMM1 had rows
-        second = Link(first.ready, (p1.config["BLOCK_M"], triton.cdiv(I2 // 2, p1.config["BLOCK_N"])),
+        second = Link(first.ready, (p1.config["BLOCK_M"], host_math.cdiv(I2 // 2, p1.config["BLOCK_N"])),
                       first.pdl and not _shares_memory(out, x))
     call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint)
     p2 = _launch(call2, _plan(call2, second, None), second)
@@ -179,7 +179,7 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
                 TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32]))
 
     flags = dict(RAGGED=ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, SWIGLU=swiglu,
-                 HAS_RS=c.row_scale is not None, BLOCK_G=max(triton.next_power_of_2(G), 2),
+                 HAS_RS=c.row_scale is not None, BLOCK_G=max(host_math.next_power_of_2(G), 2),
                  SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
     chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
     if link is not None:
@@ -305,7 +305,7 @@ def _index(t, name: str, length: int, dev) -> torch.Tensor:
 
 def _tokens_per_expert(xshape, ragged: bool, G: int, m_hint: int | None) -> int:
     """The tokens per expert a call's tuned config is picked for: ``m_hint``, else M_max (masked) or S / G (ragged)."""
-    return int(m_hint) if m_hint is not None else (triton.cdiv(xshape[0], G) if ragged else xshape[1])
+    return int(m_hint) if m_hint is not None else (host_math.cdiv(xshape[0], G) if ragged else xshape[1])
 
 
 def _shares_memory(out, x) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import host_math
 from . import config_space
 
 
@@ -77,8 +78,8 @@ def row_tile_slots(G, M_MAX, S, RAGGED: tl.constexpr, BLOCK_M: tl.constexpr):
 def tile_slots(ragged: bool, G: int, M_max: int, S: int, N: int, block_m: int, block_n: int) -> int:
     """Programs of a one-tile-per-program grid: row tiles (every expert full when masked, or S rows plus a ragged
     tail each; :func:`row_tile_slots`) times column tiles."""
-    rows = triton.cdiv(S, block_m) + G if ragged else G * triton.cdiv(M_max, block_m)
-    return rows * triton.cdiv(N, block_n)
+    rows = host_math.cdiv(S, block_m) + G if ragged else G * host_math.cdiv(M_max, block_m)
+    return rows * host_math.cdiv(N, block_n)
 
 
 def grid_size(meta: dict, ragged: bool, G: int, M_max: int, S: int, N: int, swiglu: bool) -> int:
