@@ -313,9 +313,11 @@ def _quantize_kernel(x_ptr, idx_ptr, gs_ptr, q_ptr, s_ptr, R, M_SRC, K, stride_x
     y = tl.where(gs_ok, tl.minimum(div6(amax, COMPILED and x_ptr.dtype.element_ty != tl.float32) * gs, 448.0), 0.0)
     s_val, s_byte = e4m3_rne(y)
     inv = tl.where(s_val > 0, tl.math.div_rn(tl.broadcast_to(gs, s_val.shape), tl.where(s_val > 0, s_val, 1.0)), 0.0)
-    # code sign = sign of x * inv = sign of x (inv >= +0), so it comes from x's bits
-    w0 = pack_nibbles(e2m1_magnitudes(x0 * inv[:, :, None]), sg0)
-    w1 = pack_nibbles(e2m1_magnitudes(x1 * inv[:, :, None]), sg1)
+    # code sign = sign of x * inv = sign of x (inv >= +0), so it comes from x's bits; a bad scale's rows get
+    # magnitude 0 even where x is NaN (NaN * 0 is NaN, which the GPU's min would round to the top code)
+    ok3 = gs_ok if ONE_GS else gs_ok[:, :, None]
+    w0 = pack_nibbles(e2m1_magnitudes(tl.where(ok3, x0 * inv[:, :, None], 0.0)), sg0)
+    w1 = pack_nibbles(e2m1_magnitudes(tl.where(ok3, x1 * inv[:, :, None], 0.0)), sg1)
     q_off = rows.to(tl.int64)[None, :] * (K // 8) + sc[:, None] * 2
     tl.store(q_ptr.to(tl.pointer_type(tl.uint32)) + q_off[:, :, None] + tl.arange(0, 2)[None, None, :],
              tl.join(w0, w1), mask=mask[:, :, None])
