@@ -8,13 +8,14 @@ from . import triton_runtime  # noqa: F401  (must precede any triton import)
 from .config import Algorithm, EpConfig, Format, Layout
 from .errors import (MoEEpBackendUnavailable, MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpInputError,
                      MoEEpPeerError)
+from .fused import fused_moe
 from .layer import MoEEpLayer
 from .transports.discovery import available_transports
 from .weights import ExpertWeights
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEEpLayer", "EpConfig", "Algorithm", "Layout", "Format", "ExpertWeights",
+__all__ = ["fused_moe", "MoEEpLayer", "EpConfig", "Algorithm", "Layout", "Format", "ExpertWeights",
            "MoEEpError", "MoEEpConfigError", "MoEEpInputError", "MoEEpBackendUnavailable", "MoEEpPeerError",
            "MoEEpConcurrentUseError",
            "available_transports", "__version__"]

@@ -29,8 +29,14 @@ from .weights import ExpertWeights
 
 def _tokens(x, config: EpConfig):
     """The tokens the GEMM takes: x itself, or x quantized to NVFP4 by the layer's rule (module doc)."""
-    if config.activation_format is Format.NVFP4 and not isinstance(x, NvFp4Tensor):
-        return quantize_nvfp4_tokens(x, config.activation_global_scale)
+    return activations(x, config.activation_format is Format.NVFP4, config.activation_global_scale)
+
+
+def activations(x, nvfp4: bool, static_global_scale: float | None):
+    """``x`` as the GEMM takes it: as it is, or with ``nvfp4`` bf16 tokens quantized per token (or by the static
+    scale): ``quantize_nvfp4_tokens``."""
+    if nvfp4 and not isinstance(x, NvFp4Tensor):
+        return quantize_nvfp4_tokens(x, static_global_scale)
     return x
 
 
@@ -51,13 +57,21 @@ def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, config: EpConfig
 
 def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_rows: torch.Tensor,
              rows_per_group: int, w: ExpertWeights, config: EpConfig, tokens_per_expert: int | None) -> torch.Tensor:
-    """Route ``[M, K]`` picks, permute rows, ragged MLP, weighted unpermute-reduce -> ``[M, H]``."""
+    M = topk_idx.numel() // topk_idx.shape[-1]
+    x = _tokens(_flat(tokens, M, tokens.shape[-1]), config)
+    return bridged_mlp(x, topk_idx, topk_weights, w, valid_rows, rows_per_group, tokens_per_expert)
+
+
+def bridged_mlp(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w: ExpertWeights, valid_rows=None,
+                rows_per_group: int | None = None, tokens_per_expert: int | None = None) -> torch.Tensor:
+    """Route the ``[M, K]`` picks (local ids; others skipped), permute ``x``'s ``M`` rows (bf16 or NVFP4), ragged
+    MLP, weighted unpermute-reduce (fp32 sums) -> bf16 ``[M, H]`` (``valid_rows`` / ``rows_per_group``: see
+    ``route_experts``)."""
     K = topk_idx.shape[-1]
     M = topk_idx.numel() // K
     route = route_experts(topk_idx.reshape(M, K), w.num_local_experts, valid_rows=valid_rows,
                           rows_per_group=rows_per_group)
-    xs = permute_rows(_tokens(_flat(tokens, M, tokens.shape[-1]), config), route)
-    y = expert_mlp(xs, w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
+    y = expert_mlp(permute_rows(x, route), w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
     return unpermute_reduce(y, route, topk_weights.reshape(M, K))
 
 

@@ -12,14 +12,13 @@ import torch.distributed as dist
 from . import rank_agreement
 from .compute import expert_compute
 from .config import MAX_INT32, EpConfig, Format
-from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpInputError, MoEEpPeerError, check, fail
+from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpPeerError, check, fail
 from .transports import TRANSPORTS, make_transport
 from .transports.base import group_rank_world
 from .transports.discovery import require_transport
-from .weights import FLOAT_DTYPES, ExpertWeights, check_no_grad
+from .routing_checks import IDX_DTYPES, check_routing_inputs, check_routing_values
+from .weights import FLOAT_DTYPES, ExpertWeights
 
-_IDX_DTYPES = (torch.int32, torch.int64)
-_W_DTYPES = FLOAT_DTYPES
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -222,60 +221,14 @@ class MoEEpLayer(torch.nn.Module):
         return require_transport(transport)  # the one check of the name
 
     def _check_inputs(self, x, idx, w, validate: bool) -> None:
-        cfg, dev = self.config, self.weights.device
-        for name, t in (("hidden_states", x), ("topk_idx", idx), ("topk_weights", w)):  # cheap when it passes
-            if not isinstance(t, torch.Tensor):
-                fail(f"type({name})", type(t).__name__, "a torch.Tensor")
-            if t.dim() != 2:
-                fail(f"{name}.shape", tuple(t.shape), "2-D")
-            if t.device != dev:
-                fail(f"{name}.device", str(t.device), f"{dev} (the weights' device)")
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):  # never drop a gradient silently
-            check_no_grad("hidden_states", x)
-            check_no_grad("topk_weights", w)
-        B, K = x.shape[0], cfg.top_k
-        if x.shape[1] != cfg.hidden_size:
-            fail("hidden_states.shape", tuple(x.shape), f"[B, {cfg.hidden_size}]")
-        if x.dtype != torch.bfloat16:
-            fail("hidden_states.dtype", x.dtype, "torch.bfloat16")
-        if B > cfg.max_tokens_per_rank:
-            fail("hidden_states.shape[0] (tokens)", B, f"<= max_tokens_per_rank ({cfg.max_tokens_per_rank})")
-        if idx.shape[0] != B or idx.shape[1] != K:
-            fail("topk_idx.shape", tuple(idx.shape), f"({B}, {K})")
-        if idx.dtype not in _IDX_DTYPES:
-            fail("topk_idx.dtype", idx.dtype, "torch.int32, torch.int64")
-        if w.shape[0] != B or w.shape[1] != K:
-            fail("topk_weights.shape", tuple(w.shape), f"({B}, {K})")
-        if w.dtype not in _W_DTYPES:
-            fail("topk_weights.dtype", w.dtype, "torch.float32, torch.bfloat16, torch.float16")
-        if validate and B and not _capturing(x):
+        cfg = self.config
+        check_routing_inputs(x, idx, w, hidden_size=cfg.hidden_size, top_k=cfg.top_k, device=self.weights.device,
+                             max_tokens=cfg.max_tokens_per_rank)
+        if validate and x.shape[0] and not _capturing(x):
             self._check_values(x, idx, w)
 
     def _check_values(self, x, idx, w) -> None:
-        """Id ranges, duplicate ids in a row, finite weights (and finite tokens, with NVFP4 activations, which
-        cannot hold NaN or Inf): one host sync, details only on failure."""
-        E = self.config.num_experts
-        s = idx.sort(dim=1).values
-        dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
-        checks = [(idx < -1).any() | (idx >= E).any(), dup.any(), ~torch.isfinite(w).all()]
-        if self._finite_tokens:
-            checks.append(~torch.isfinite(x).all())
-        bad = torch.stack(checks)
-        if not bool(bad.any()):
-            return
-        if bool(bad[0]):
-            lo, hi = int(idx.min()), int(idx.max())
-            raise MoEEpInputError(f"topk_idx range = ({lo}, {hi}); allowed: ids in [-1, {E})")
-        if bool(bad[1]):
-            row = int(dup.nonzero()[0, 0])
-            raise MoEEpInputError(f"topk_idx[{row}] = {idx[row].tolist()}; allowed: distinct expert ids "
-                                  "per row (-1 may repeat)")
-        if bool(bad[2]):
-            raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
-        row = int((~torch.isfinite(x)).any(dim=1).nonzero()[0, 0])
-        raise MoEEpInputError(f"hidden_states[{row}] holds NaN or Inf; allowed: finite values (NVFP4 activations "
-                              "have no NaN or Inf; with validate=False such a token comes out NaN, the others "
-                              "untouched)")
+        check_routing_values(x, idx, w, self.config.num_experts, self._finite_tokens)
 
     def forward(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
                 validate: bool | None = None) -> torch.Tensor:
@@ -344,9 +297,9 @@ class MoEEpLayer(torch.nn.Module):
             fail("graph_inputs with cuda_graph", False, "MoEEpLayer(..., cuda_graph=True)", MoEEpConfigError)
         if not 0 < batch_size <= self.config.max_tokens_per_rank:
             fail("batch_size", batch_size, f"1..{self.config.max_tokens_per_rank} (max_tokens_per_rank)")
-        if idx_dtype not in _IDX_DTYPES:
+        if idx_dtype not in IDX_DTYPES:
             fail("idx_dtype", idx_dtype, "torch.int32, torch.int64")
-        if weight_dtype not in _W_DTYPES:
+        if weight_dtype not in FLOAT_DTYPES:
             fail("weight_dtype", weight_dtype, "torch.float32, torch.bfloat16, torch.float16")
         return self._graphs.get(batch_size, idx_dtype, weight_dtype).inputs
 
