@@ -128,6 +128,38 @@ def dequantize_nvfp4_ref(data: torch.Tensor, scales: torch.Tensor, global_scale:
     return out.reshape(codes.shape).to(dtype)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_BLOCK = 128  # FP8 scale blocks: 128 columns, and 128 rows for weights (1 for activations)
+
+
+def quantize_fp8_ref(x: torch.Tensor, block_rows: int):
+    """Reference FP8 block quantization of ``x [..., R, K]`` (``block_rows`` 1: per row per 128 columns, as
+    activations; 128: per 128x128 block, as weights; blocks never cross the leading dims).
+
+    Per block: ``s = amax(|x|) / 448`` in fp32 (1.0 where that is 0: an all-zero block has codes 0), then
+    ``q = e4m3_rne(clamp(x / s, -448, 448))``. Returns ``(q float8_e4m3fn [..., R, K], s float32
+    [..., ceil(R / block_rows), ceil(K / 128)])``. Dequantize: ``q * s``.
+    """
+    *lead, R, K = x.shape
+    br, bc = block_rows, FP8_BLOCK
+    nr, nc = -(-R // br), -(-K // bc)
+    xf = torch.zeros(*lead, nr * br, nc * bc, dtype=torch.float32, device=x.device)
+    xf[..., :R, :K] = x.float()
+    blocks = xf.reshape(*lead, nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., nr, nc]: zero padding cannot raise it
+    s = amax / torch.full_like(amax, FP8_MAX)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (blocks / s[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(*lead, nr * br, nc * bc)[..., :R, :K].contiguous(), s
+
+
+def dequantize_fp8_ref(q: torch.Tensor, s: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """``q * s`` in fp32, each scale over its block (see :func:`quantize_fp8_ref`)."""
+    *lead, R, K = q.shape
+    s_full = s.repeat_interleave(block_rows, dim=-2)[..., :R, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :K]
+    return q.float() * s_full
+
+
 def swizzled_scale_shape(rows: int, scale_cols: int) -> tuple[int, int]:
     """Padded (rows, scale columns) of the 128x4 swizzled layout: rows to 128, columns to 4."""
     return -(-rows // 128) * 128, -(-scale_cols // 4) * 4

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ["nvfp4", "grouped_gemm", "fp4_decode", "bridge"]  # moe_ep.testing.compile_checks.TABLES
+KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge"]  # moe_ep.testing.compile_checks.TABLES
 
 SCRIPT = r"""
 import sys

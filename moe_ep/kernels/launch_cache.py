@@ -9,10 +9,11 @@ launch the compiled kernel through its C launcher alone.
 
 The key covers everything the compiled kernel was specialized on, by Triton's rules: each tensor's dtype and 16-byte
 alignment, each int's class (1, a multiple of 16, 32 or 64 bits), bools, floats and None, each TMA descriptor's
-dtype, block shape and base alignment, the keyword arguments (constexprs and compile options), the current device and
-Triton's debug and instrumentation knobs, the autotuner's key values (its pick depends on them) and every heuristic's value, which is evaluated on each call as
-Triton would. Under the interpreter, with a launch hook installed (profilers), for an argument of a type it does not
-know, or when the kernel has a parameter the call leaves to its default, every call goes through Triton.
+dtype, block shape and base alignment, the keyword arguments (constexprs and compile options), the current device,
+Triton's debug and instrumentation knobs, the autotuner's key values (its pick depends on them) and every
+heuristic's value, evaluated on each call as Triton would. Under the interpreter, with a launch hook installed
+(profilers), for an argument of a type the key does not know, or when the kernel has a parameter the call leaves to
+its default, every call goes through Triton.
 """
 
 from __future__ import annotations

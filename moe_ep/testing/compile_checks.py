@@ -5,6 +5,7 @@ sm_90 and sm_100 in a process without the interpreter (no GPU needed). Test supp
 from __future__ import annotations
 
 from ..kernels import bridge as _bridge
+from ..kernels import fp8 as _fp8
 from ..kernels import nvfp4 as _nvfp4
 from ..kernels.grouped_gemm import fp4_decode as _fp4_decode
 from ..kernels.grouped_gemm import kernels as _gg_kernels
@@ -27,6 +28,22 @@ def nvfp4():
             sig = {"q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": f"*{xt}",
                    **{a: "i32" for a in ("R", "K", "rows_per_gs", "slice_rows", "slice_cp", "K_BUCKET")}}
             checks.append((_nvfp4._dequantize_kernel.fn, sig, {"SWIZZLE": swz, "BLOCK_M": 16, "BLOCK_K": 512}))
+    return checks
+
+
+def fp8():
+    """(kernel, signature, constexprs) per variant of the FP8 quantize / dequantize kernels (sm_90 / sm_100)."""
+    checks = []
+    for per_row in (True, False):
+        bm = 16 if per_row else 128
+        for xt in ("bf16", "fp16", "fp32"):
+            sig = {"x_ptr": f"*{xt}", "q_ptr": "*u8", "s_ptr": "*fp32",
+                   **{a: "i32" for a in ("R", "K", "stride_x", "ROW_BLOCKS", "COL_BLOCKS")}}
+            const = {"PER_ROW": per_row, "BLOCK_M": bm}
+            checks.append((_fp8._quantize_fp8_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const))
+            sig = {"q_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": f"*{xt}",
+                   **{a: "i32" for a in ("R", "K", "ROW_BLOCKS", "COL_BLOCKS")}}
+            checks.append((_fp8._dequantize_fp8_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const))
     return checks
 
 
@@ -106,5 +123,5 @@ def grouped_gemm():
     return checks
 
 
-TABLES = {"nvfp4": nvfp4, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm}
+TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm}
 """Kernel module -> its variants."""
