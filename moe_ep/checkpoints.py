@@ -138,8 +138,8 @@ def load_nvfp4_projections(gate, up, down, device=None) -> tuple[NvFp4Tensor, Nv
     s2, gate_scales, up_scales = _shared_scale_2(g, u)
     w13 = NvFp4Tensor(torch.cat([g.weight, u.weight], dim=1).contiguous(),
                       torch.cat([gate_scales, up_scales], dim=1).contiguous(),
-                      _global_scale(s2), torch.Size((L, 2 * I, H)))
-    w2 = NvFp4Tensor(d.weight.contiguous(), d.weight_scale.contiguous(), _global_scale(d.weight_scale_2),
+                      _global_scale(s2, "gate/up.weight_scale_2"), torch.Size((L, 2 * I, H)))
+    w2 = NvFp4Tensor(d.weight.contiguous(), d.weight_scale.contiguous(), _global_scale(d.weight_scale_2, "down.weight_scale_2"),
                      torch.Size((L, H, I)))
     act = [p.input_scale for p in (g, u) if p.input_scale is not None]
     return w13, w2, _activation_scale(act) if act else None
@@ -187,7 +187,8 @@ def _projection(name: str, p, device) -> NvFp4Projection:
                 raise MoEEpInputError(f"{name}[{part!r}] is missing; allowed: a mapping with weight, weight_scale, "
                                       "weight_scale_2 and optionally input_scale")
         p = NvFp4Projection(**p)
-    check(isinstance(p, NvFp4Projection), f"type({name})", type(p).__name__, "NvFp4Projection or a mapping of its fields")
+    check(isinstance(p, NvFp4Projection), f"type({name})", type(p).__name__,
+          "NvFp4Projection or a mapping of its fields")
     parts = {}
     for part, dt in PARTS.items():
         t = getattr(p, part)
@@ -269,18 +270,27 @@ def _shared_scale_2(g: NvFp4Projection, u: NvFp4Projection):
 
 def _shift_exactly(scales: torch.Tensor, k: torch.Tensor):
     """``(scales * 2**k[e] as e4m3, ok [L])``: ok where every shifted scale of expert e is exact in e4m3."""
-    want = torch.ldexp(scales.float(), k.view(-1, 1, 1).float())
+    k = k.view(-1, 1, 1).float()
+    want = torch.ldexp(scales.float(), k)
     shifted = want.to(torch.float8_e4m3fn)  # saturates or rounds where not exact: caught just below
-    ok = (shifted.float() == want).flatten(1).all(dim=1)
-    return shifted, ok
+    # and back: a scale that underflowed fp32 itself (to 0) must not pass as exact
+    ok = (shifted.float() == want) & (torch.ldexp(shifted.float(), -k) == scales.float())
+    return shifted, ok.flatten(1).all(dim=1)
 
 
-def _global_scale(scale_2: torch.Tensor) -> torch.Tensor:
+def _global_scale(scale_2: torch.Tensor, name: str) -> torch.Tensor:
     """moe-ep's (dividing) global scale per expert from the checkpoint's multiplying one: ``1 / weight_scale_2``."""
-    return (torch.ones_like(scale_2) / scale_2).contiguous()
+    gs = torch.ones_like(scale_2) / scale_2
+    bad = ~torch.isfinite(gs)
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        fail(f"{name}[{e}]", float(scale_2[e]), "a float32 whose reciprocal is finite (>= 2**-128)")
+    return gs.contiguous()
 
 
 def _activation_scale(input_scales: list[torch.Tensor]) -> float:
     """``1 / max(input_scale)`` in fp32, as a Python float: the conservative static scale for every expert."""
     amax = torch.stack([t.max() for t in input_scales]).max()
-    return float(torch.ones_like(amax) / amax)
+    gs = float(torch.ones_like(amax) / amax)
+    check(gs < float("inf"), "max(input_scale)", float(amax), "a float32 whose reciprocal is finite (>= 2**-128)")
+    return gs

@@ -193,13 +193,14 @@ def test_mappings_and_scalar_sequences_are_taken():
 
 # --- bad input: one table -------------------------------------------------------------------------------------------
 
-def replace(role, **parts):
-    """from_nvfp4 on a good checkpoint with some parts of one projection replaced."""
+def replace(*roles, **parts):
+    """from_nvfp4 on a good checkpoint with some parts of the projections ``roles`` replaced."""
     def call():
         projs = checkpoint()[0]
-        p = projs[role]
-        projs[role] = NvFp4Projection(**{f: parts[f](getattr(p, f)) if f in parts else getattr(p, f)
-                                         for f in ("weight", "weight_scale", "weight_scale_2", "input_scale")})
+        for role in roles:
+            p = projs[role]
+            projs[role] = NvFp4Projection(**{f: parts[f](getattr(p, f)) if f in parts else getattr(p, f)
+                                             for f in ("weight", "weight_scale", "weight_scale_2", "input_scale")})
         ExpertWeights.from_nvfp4(**projs)
     return call
 
@@ -218,6 +219,17 @@ def other_up_scale_2(factor):
         projs, w13, _ = checkpoint()
         s2, f = projs["gate"].weight_scale_2, torch.tensor([1.0, factor])
         projs["up"] = projection(w13[:, I:] * f.view(-1, 1, 1), s2 * f)
+        ExpertWeights.from_nvfp4(**projs)
+    return call
+
+
+def scale_2_pair(gate_s2, up_s2):
+    """gate's and up's weight_scale_2 set to these (codes and block scales as they were)."""
+    def call():
+        projs = checkpoint()[0]
+        for role, v in (("gate", gate_s2), ("up", up_s2)):
+            p = projs[role]
+            projs[role] = NvFp4Projection(p.weight, p.weight_scale, torch.full((L,), v), p.input_scale)
         ExpertWeights.from_nvfp4(**projs)
     return call
 
@@ -248,7 +260,8 @@ BAD = [
     ("weight 2-D", replace("gate", weight=lambda t: t[0]), "gate.weight.shape = (32, 32)"),
     ("in_features not a multiple of 16", replace("up", weight=lambda t: t[..., :4], weight_scale=lambda t: t[..., :1]),
      "up.weight.shape[2] * 2 (in_features) = 8; allowed: a multiple of 16"),
-    ("weight_scale dtype", replace("gate", weight_scale=lambda t: t.float()), "gate.weight_scale.dtype = torch.float32"),
+    ("weight_scale dtype", replace("gate", weight_scale=lambda t: t.float()),
+     "gate.weight_scale.dtype = torch.float32"),
     ("weight_scale shape", replace("down", weight_scale=lambda t: t[..., :1]), "down.weight_scale.shape = (2, 64, 1)"),
     ("weight_scale NaN", replace("gate", weight_scale=setbyte(0x7F)), "gate.weight_scale(1, 2, 3) = nan"),
     ("weight_scale negative", replace("down", weight_scale=setbyte(0xB8)), "down.weight_scale(1, 2, 1) = -1.0"),
@@ -262,6 +275,12 @@ BAD = [
      "gate.weight_scale_2.shape = (3,); allowed: (2,) (one per expert)"),
     ("weight_scale_2 needs grad", replace("gate", weight_scale_2=lambda t: t.clone().requires_grad_()),
      "gate.weight_scale_2.requires_grad = True"),
+    ("weight_scale_2 too small to invert", replace("down", weight_scale_2=lambda t: t * 0 + 1e-45),
+     "down.weight_scale_2[0] = 1.401298464324817e-45; allowed: a float32 whose reciprocal is finite"),
+    ("gate/up weight_scale_2 too small to invert", replace("gate", "up", weight_scale_2=lambda t: t * 0 + 2.0 ** -140),
+     "gate/up.weight_scale_2[0] = 7.174648137343064e-43"),
+    ("input_scale too small to invert", replace("gate", "up", input_scale=lambda t: t * 0 + 1e-45),
+     "max(input_scale) = 1.401298464324817e-45"),
     ("input_scale Inf", replace("up", input_scale=lambda t: t / 0), "up.input_scale[0] = inf"),
     ("input_scale zero", replace("down", input_scale=lambda t: t * 0), "down.input_scale[0] = 0.0"),
     ("fewer down experts", replace("down", weight=lambda t: t[:1], weight_scale=lambda t: t[:1],
@@ -276,6 +295,8 @@ BAD = [
     ("... hint says what to do", other_up_scale_2(3.0), "dequantize them and pass full-precision w13/w2"),
     # 2**-15: up's block scales would become e4m3 subnormals (bits lost), gate's would overflow
     ("a power of two apart, both shifts inexact", other_up_scale_2(2.0 ** -15), "2**-15 apart with every block scale"),
+    ("2**-200 apart: up's shifted block scales would underflow fp32 itself", scale_2_pair(2.0 ** 100, 2.0 ** -100),
+     "2**-200 apart"),
     ("projection of another type", lambda: ExpertWeights.from_nvfp4("gate", *list(checkpoint()[0].values())[1:]),
      "type(gate) = 'str'"),
     ("mapping missing weight_scale", from_map(lambda m: m.pop("weight_scale")), "gate['weight_scale'] is missing"),
