@@ -1,4 +1,5 @@
-"""ExpertWeights: one rank's local expert weights, bf16 or quantized to NVFP4 once at construction."""
+"""ExpertWeights: one rank's local expert weights, bf16 or quantized to NVFP4 once at construction (or NVFP4 as a
+checkpoint ships them: :meth:`ExpertWeights.from_nvfp4`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 
 import torch
 
+from .checkpoints import load_nvfp4_projections
 from .config import Format
 from .errors import MoEEpConfigError, MoEEpInputError, check, fail
 from .kernels.nvfp4 import NvFp4Tensor, dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
@@ -34,6 +36,9 @@ class ExpertWeights:
     CUDA device, and need no gradient (inference only); for BF16 every value must fit bf16 (``|w| <=``
     ``torch.finfo(torch.bfloat16).max``; it would become Inf). Construction checks the values (host syncs:
     once, here).
+
+    ``activation_global_scale``: the static NVFP4 activation scale a checkpoint ships (:meth:`from_nvfp4`),
+    else None.
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, weight_format: Format | str = Format.BF16):
@@ -55,6 +60,7 @@ class ExpertWeights:
             _check_values(name, w, weight_format)
         self.format = weight_format
         self.num_local_experts, self.hidden_size, self.intermediate_size = L, H, two_i // 2
+        self.activation_global_scale = None
         if weight_format is Format.NVFP4:
             self.w13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
             self.w2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
@@ -85,6 +91,33 @@ class ExpertWeights:
         sl = slice(rank * L, (rank + 1) * L)
         dev = device if device is not None else w13_all.device
         return cls(w13_all[sl].to(dev), w2_all[sl].to(dev), weight_format)
+
+    @classmethod
+    def from_nvfp4(cls, gate, up, down, *, device=None) -> "ExpertWeights":
+        """NVFP4 weights as a ModelOpt checkpoint ships them, kept as they are (no re-quantization).
+
+        ``gate``, ``up``, ``down``: each a :class:`~moe_ep.checkpoints.NvFp4Projection` (or a mapping of its
+        fields) of the ``L`` local experts stacked: ``weight`` uint8 ``[L, out, in/2]``, ``weight_scale``
+        float8_e4m3fn ``[L, out, in/16]``, ``weight_scale_2`` float32 ``[L]``, ``input_scale`` float32 ``[L]``
+        or None; gate/up ``[L, I, H/2]``, down ``[L, H, I/2]``
+        (:func:`~moe_ep.checkpoints.nvfp4_experts_from_state_dict` collects them from a state dict). ``w13``
+        holds gate rows then up rows with global scale ``1 / weight_scale_2`` per expert; gate's and up's
+        ``weight_scale_2`` must be equal, or a power of two apart where shifting one side's block scales is exact
+        (else :class:`MoEEpInputError` says what to do; see :mod:`moe_ep.checkpoints`). ``device``: where the
+        weights go (default: where they are).
+
+        ``activation_global_scale`` becomes ``1 / max(input_scale)`` over gate's and up's experts (None without
+        input scales): pass it as ``EpConfig(activation_format='nvfp4', activation_global_scale=...)``. With
+        several ranks every rank needs the same value, taken over *all* the layer's experts:
+        :func:`~moe_ep.checkpoints.nvfp4_activation_global_scale`. Checks values (host syncs: once, here).
+        """
+        w13, w2, act = load_nvfp4_projections(gate, up, down, device)
+        self = cls.__new__(cls)
+        self.format = Format.NVFP4
+        L, two_i, H = w13.shape
+        self.num_local_experts, self.hidden_size, self.intermediate_size = L, H, two_i // 2
+        self.w13, self.w2, self.activation_global_scale = w13, w2, act
+        return self
 
     @property
     def device(self) -> torch.device:
