@@ -1,0 +1,76 @@
+"""The eager launch path stays thin: an eager forward at world size 1 issues at most a known number of torch (aten)
+operations outside the kernels and a known number of kernel launches. Each costs about 11 us (op) / 5-19 us
+(launch) of host time on the H200 host (docs/PERF.md, "Layer: host time"), so a change that adds any shows up here
+before it shows up in a benchmark. Lower a bound when you remove ops; raise one only with the reason in the commit."""
+
+import collections
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, fused_moe
+from moe_ep.kernels import launch_cache
+from moe_ep.triton_runtime import INTERPRETER
+
+# (aten ops, kernel launches) per eager forward, bf16, world size 1, validate=False
+BOUNDS = {("ll", "expert_major"): (41, 4), ("ll", "rank_major"): (28, 5), ("ht", "flat"): (23, 5),
+          ("ht", "expert_major"): (34, 5), "fused_moe": (13, 5)}
+
+pytestmark = pytest.mark.skipif(not INTERPRETER, reason="the counts are taken on the interpreter's host path (the "
+                                "compiled one is timed by benchmarks/bench_layer.py); the kernels' own ops are "
+                                "told apart by their frames there")
+
+
+def _in_kernel() -> bool:
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "triton/runtime" in name or "triton/language" in name or name.endswith("moe_ep/triton_runtime.py"):
+            return True  # an op the interpreter runs for a kernel, not the host path's
+        f = f.f_back
+    return False
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _in_kernel():
+            self.count[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _measure(monkeypatch, call):
+    call()  # first call: compiles, autotunes, allocates buffers
+    launches = []
+    real = launch_cache.launch
+    monkeypatch.setattr(launch_cache, "launch", lambda k, g, *a, **kw: launches.append(k) or real(k, g, *a, **kw))
+    with _Ops() as ops:
+        call()
+    return sum(ops.count.values()), len(launches), ops.count
+
+
+def _inputs(E=8, K=2, H=64, I=32, B=4):
+    g = torch.Generator().manual_seed(0)
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6)
+    x = torch.randn(B, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)])
+    return w, x, idx, torch.rand(B, K, generator=g)
+
+
+@pytest.mark.parametrize("case", list(BOUNDS), ids=lambda c: c if isinstance(c, str) else "-".join(c))
+def test_eager_forward_ops_and_launches_stay_bounded(monkeypatch, case):
+    w, x, idx, wts = _inputs()
+    if case == "fused_moe":
+        call = lambda: fused_moe(x, idx, wts, w, validate=False)  # noqa: E731
+    else:
+        layer = MoEEpLayer(EpConfig(8, 2, 64, 32, 4, *case), w)
+        call = lambda: layer(x, idx, wts, validate=False)  # noqa: E731
+    ops, launches, detail = _measure(monkeypatch, call)
+    max_ops, max_launches = BOUNDS[case]
+    assert ops <= max_ops, f"{ops} aten ops per forward (bound {max_ops}): {dict(detail.most_common(10))}"
+    assert launches <= max_launches, f"{launches} kernel launches per forward (bound {max_launches})"
