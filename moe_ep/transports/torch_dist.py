@@ -64,11 +64,22 @@ class TorchDistTransport:
         # applies the routing weights itself (LL EXPERT_MAJOR), how the compute's output becomes one row per
         # received token to send back
         kind = result_type(config)
+        if kind is LowLatencyExpertMajor and self.L * config.max_tokens_per_rank * self.world >= 2 ** 31:
+            raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {config.max_tokens_per_rank}; allowed: local "
+                                   f"experts ({self.L}) * world size ({self.world}) * max_tokens_per_rank < 2**31 "
+                                   "(LL EXPERT_MAJOR's padded rows are int32)")
         self._build = {LowLatencyExpertMajor: self._ll_expert_major, LowLatencyRankMajor: self._ll_rank_major,
                        HighThroughputFlat: self._ht_flat, HighThroughputExpertMajor: self._ht_expert_major}[kind]
         self._combine = self._combine_picks if kind.weights_applied_by_combine else self._combine_rows
         self._rows = {LowLatencyRankMajor: self._rank_major_rows, HighThroughputFlat: self._flat_rows,
                       HighThroughputExpertMajor: self._slot_rows}.get(kind)
+
+    def _const(self, name: str, make) -> torch.Tensor:
+        """A tensor that depends on the config alone, made once (``make()``) and kept with the buffers."""
+        t = self._bufs.get(name)
+        if t is None:
+            t = self._bufs[name] = make()
+        return t
 
     def _buf(self, name: str, shape, dtype) -> torch.Tensor:
         """A persistent buffer (allocated once at this size, zeroed so garbage rows stay finite)."""
@@ -236,11 +247,13 @@ class TorchDistTransport:
         L, K, H, M = self.L, self.config.top_k, self.config.hidden_size, self.config.max_tokens_per_rank * self.world
         route = self._route(c, n_total, st)
         e = c["ids"].clamp(0, L - 1)
-        dest = e * M + (route.slot.long() - route.offsets.long()[e])
-        dest = torch.where(route.slot >= 0, dest, L * M)  # invalid picks -> a spare row
-        st["dest"] = dest
-        flat = dest.reshape(-1)
-        src_rows = torch.arange(M, device=self.device).repeat_interleave(K)
+        # pick -> its padded row e * M + (slot - offsets[e]): int32 throughout (L * M fits: the config checks it)
+        first_row = self._const("ll_first_row", lambda: torch.arange(L, dtype=torch.int32, device=self.device) * M)
+        dest = torch.where(route.slot >= 0, route.slot + (first_row - route.offsets[:L])[e], -1)
+        st["dest"] = dest  # -1: no local expert (combine skips it)
+        flat = torch.where(dest >= 0, dest, L * M).reshape(-1).long()  # invalid picks -> a spare row
+        src_rows = self._const("ll_src_rows",
+                               lambda: torch.arange(M, device=self.device).repeat_interleave(K))  # pick -> its row
 
         def scatter(name, src, width, dtype):
             buf = self._buf(name, (L * M + 1, width), dtype)
@@ -277,10 +290,9 @@ class TorchDistTransport:
         R, L, T, B, H = self.world, self.L, cfg.max_tokens_per_rank, st["B"], cfg.hidden_size
         y = expert_out.reshape(L * R * T, H)
         if R == 1:  # weights applied here, in fp32
-            pick = Route(None, None, torch.where(st["dest"] < L * R * T, st["dest"], -1).to(torch.int32), None)
-            return unpermute_reduce(y, pick, self._compact()["w"])[:B]
-        flat = st["dest"].reshape(-1)
-        send = y[flat[flat < L * R * T]]  # one row per received pick, in compact order
+            return unpermute_reduce(y, Route(None, None, st["dest"], None), self._compact()["w"])[:B]
+        flat = st["dest"].reshape(-1).long()
+        send = y[flat[flat >= 0]]  # one row per received pick, in compact order
         ret = self._a2a(send, st["recv_pick"], st["send_pick"], "recv_combine")
         owner, K = st["owner"], cfg.top_k
         onehot = (owner.reshape(-1, 1) == torch.arange(R, device=self.device)).long()
