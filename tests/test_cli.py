@@ -209,6 +209,9 @@ def test_bench_under_torchrun_two_ranks(tmp_path):
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["world_size"] == 2
     assert {r["rank"] for r in res["rows"]} == {0, 1}
+    layer = [r for r in res["rows"] if r["kernel"].startswith("layer")]
+    assert len(layer) == 2  # each rank's output against the dense MoE over both ranks' experts: the real error
+    assert all(r["diff"] < 2e-2 and "all experts" in r["diff_kind"] for r in layer), layer
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
