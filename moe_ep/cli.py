@@ -138,12 +138,13 @@ def version() -> str:
         return moe_ep.__version__
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``moe-ep`` argument parser, every subcommand included."""
     from .commands.common import add_shape_arguments, plain
     parser = argparse.ArgumentParser(prog="moe-ep", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"moe-ep {version()}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="one of these:")
     demo = sub.add_parser("demo", help="run the quantizer and the layer on a small model, checked against the "
                           "reference", description=plain(DEMO_DESCRIPTION),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--quant-tokens", type=int, default=64, help="rows of the NVFP4 round-trip check (default 64)")
     demo.set_defaults(func=_demo)
     _add_commands(sub, plain)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except moe_ep.MoEEpError as e:

@@ -52,7 +52,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peak-flops", type=float, default=795e12, help="FLOP ceiling, FLOP/s (H200 bf16: 795e12)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="measuring time per timed function (GPU)")
     parser.add_argument("--out", default="moe-ep-bench", help="output folder for bench.json and bench.png")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, activations and routing (default 0)")
 
 
 # --- peers -------------------------------------------------------------------------------------------------
