@@ -337,8 +337,8 @@ def test_model_shape_options_have_one_name_in_every_subcommand():
     for cmd in ("demo", "bench", "tune"):
         opts = {s for a in choices[cmd]._actions for s in a.option_strings}
         assert {"--preset", "--experts", "--top-k", "--hidden", "--intermediate"} <= opts, cmd
-        args = choices[cmd].parse_args(["--inter", "48"])  # the old spelling, a hidden alias
-        assert args.intermediate == 48
+        args = choices[cmd].parse_args(["--experts", "16", "--intermediate", "48"])
+        assert (args.experts, args.intermediate) == (16, 48)
 
 
 @pytest.mark.parametrize("argv, option", [(["--ranks", "3"], "--ranks"), (["--ranks", "0"], "--ranks"),

@@ -71,9 +71,8 @@ SHAPE_OPTIONS = {"num_experts": "--experts", "top_k": "--top-k", "hidden_size": 
 
 
 def add_shape_arguments(parser) -> None:
-    """``--preset`` and the model-shape overrides, the same names in every subcommand (``--inter``: a hidden
-    alias of ``--intermediate``)."""
-    import argparse
+    """``--preset`` and the model-shape overrides, the same names in every subcommand (the demo's old ``--inter``
+    still works: argparse takes an unambiguous prefix of ``--intermediate``)."""
     parser.add_argument("--preset", default="small", help=f"model shape: one of {', '.join(PRESETS)} "
                         "(default: small)")
     parser.add_argument("--experts", type=int, default=None,
@@ -81,7 +80,6 @@ def add_shape_arguments(parser) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="override the experts picked per token")
     parser.add_argument("--hidden", type=int, default=None, help="override the hidden size H")
     parser.add_argument("--intermediate", type=int, default=None, help="override the intermediate size I per expert")
-    parser.add_argument("--inter", dest="intermediate", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def preset_from_args(args, name: str | None = None) -> Preset:
