@@ -115,8 +115,8 @@ def parse(env=None) -> Options:
 def autotune_default() -> bool:
     """``autotune`` when ``MOE_EP_AUTOTUNE`` is unset: on, except under Triton's interpreter, whose timings measure
     Python, not the kernel (a search there would only multiply the first calls' time)."""
-    from .triton_runtime import INTERPRETER  # (here, not at the top: the CLI parses its arguments before torch loads)
-    return not INTERPRETER
+    from . import triton_runtime  # (here: it imports torch, which this module does not need otherwise)
+    return not triton_runtime.INTERPRETER
 
 
 _current: Options | None = None

@@ -101,7 +101,7 @@ def check_layer_shape(p: Preset, tokens: int, ranks: int) -> None:
     try:
         EpConfig(p.experts, p.top_k, p.hidden, p.intermediate, tokens)
     except MoEEpConfigError as e:
-        m = re.match(r"EpConfig\.(\w+) = (.*)", str(e), re.S)
+        m = re.match(r"EpConfig\.(\w+) = (.*)", str(e), re.DOTALL)
         if m is None or m.group(1) not in SHAPE_OPTIONS:
             raise
         raise MoEEpInputError(f"{SHAPE_OPTIONS[m.group(1)]} = {m.group(2)} (EpConfig.{m.group(1)})") from None
