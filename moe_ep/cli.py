@@ -1,6 +1,6 @@
 """The ``moe-ep`` command: demo, info, bench, tune, fuzz.
 
-Each subcommand's logic lives in its own module under ``moe_ep.commands``; this file only wires argparse.
+Each subcommand's logic lives in its own module under ``moe_ep.commands``; this file wires argparse and the demo.
 Bad arguments raise named errors (:class:`moe_ep.MoEEpInputError` / :class:`moe_ep.MoEEpConfigError`),
 reported as ``moe-ep <cmd>: error: ...`` with exit code 2.
 """
@@ -12,6 +12,19 @@ import sys
 import time
 
 import moe_ep
+
+DESCRIPTION = """moe-ep: run, check and tune an expert-parallel Mixture-of-Experts layer.
+
+Run 'moe-ep COMMAND --help' for a command's options. Bad arguments are reported as
+'moe-ep COMMAND: error: ...' with exit code 2."""
+
+EPILOG = """examples:
+  moe-ep demo                          the quantizer and the layer on a small model, 2 local ranks
+  moe-ep info                          device, versions, transports and tuned configs found
+  moe-ep bench --tokens 1,64           kernels and the layer vs their peers and floors
+  torchrun --nproc-per-node 2 -m moe_ep.cli bench --kernels layer
+  moe-ep tune --presets deepseek-v3    tuned grouped-GEMM configs for this GPU
+  moe-ep fuzz --seconds 600            kernels vs the references, 10 minutes in all"""
 
 
 def _quantizer_demo(args, dev) -> bool:
@@ -82,19 +95,31 @@ def _demo(args) -> int:
 
     import torch.multiprocessing as mp
 
+    from .commands.common import check_layer_shape, preset_from_args
+    from .errors import MoEEpInputError
     from .triton_runtime import INTERPRETER, device
 
+    if args.tokens is None:
+        args.tokens = 4 if INTERPRETER else 128
+    p = preset_from_args(args)  # every option checked before a rank is spawned
+    check_layer_shape(p, args.tokens, args.ranks)
+    if args.quant_tokens < 1:
+        raise MoEEpInputError(f"--quant-tokens = {args.quant_tokens}; allowed: a positive int")
+    args.experts, args.top_k, args.hidden, args.inter = p.experts, p.top_k, p.hidden, p.intermediate
     dev = device()
     print(f"moe-ep demo on {dev} ({'Triton interpreter' if INTERPRETER else 'compiled Triton'})")
     ok = _quantizer_demo(args, dev)
-    if args.tokens is None:
-        args.tokens = 4 if INTERPRETER else 128
     print(f"[2] MoE layer: {args.experts} experts, top-{args.top_k}, H {args.hidden}, I {args.inter}, "
           f"{args.tokens} tokens on each of {args.ranks} ranks (gloo, spawned), vs the dense fp32 reference")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_demo_worker, args=(args.ranks, os.path.join(d, "store"), args, queue), nprocs=args.ranks)
+        try:
+            mp.spawn(_demo_worker, args=(args.ranks, os.path.join(d, "store"), args, queue), nprocs=args.ranks)
+        except mp.ProcessRaisedException as e:  # the rank's traceback is in e; one line here
+            last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
+            print(f"moe-ep demo: error: rank {e.error_index} failed: {last}", file=sys.stderr)
+            return 1
     print(f"{'algorithm/layout':<18}{'max |err|':>11}{'max |ref|':>11}{'dispatch':>11}{'compute':>11}{'combine':>11}")
     while not queue.empty():
         name, (err, ref), times = queue.get()
@@ -104,26 +129,48 @@ def _demo(args) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moe-ep", description=__doc__)
-    parser.add_argument("--version", action="version", version=moe_ep.__version__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="run the demo on a small default model")
-    demo.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4 on CPU, 128 on GPU)")
-    demo.add_argument("--quant-tokens", type=int, default=64)
-    demo.add_argument("--experts", type=int, default=8)
-    demo.add_argument("--top-k", type=int, default=2)
-    demo.add_argument("--hidden", type=int, default=256)
-    demo.add_argument("--inter", type=int, default=512)
-    demo.add_argument("--ranks", type=int, default=2)
+def version() -> str:
+    """The installed distribution's version, else the package's own (a checkout on PYTHONPATH)."""
+    from importlib import metadata
+    try:
+        return metadata.version("moe-ep")
+    except metadata.PackageNotFoundError:
+        return moe_ep.__version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``moe-ep`` argument parser, every subcommand included."""
+    from .commands.common import add_shape_arguments, plain
+    parser = argparse.ArgumentParser(prog="moe-ep", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"moe-ep {version()}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="one of these:")
+    demo = sub.add_parser("demo", help="run the quantizer and the layer on a small model, checked against the "
+                          "reference", description=plain(DEMO_DESCRIPTION),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_arguments(demo)
+    demo.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4 on the CPU, 128 on a GPU)")
+    demo.add_argument("--ranks", type=int, default=2, help="ranks to spawn (gloo, this machine); must divide "
+                      "--experts (default 2)")
+    demo.add_argument("--quant-tokens", type=int, default=64, help="rows of the NVFP4 round-trip check (default 64)")
     demo.set_defaults(func=_demo)
-    _add_commands(sub)
-    args = parser.parse_args(argv)
+    _add_commands(sub, plain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except moe_ep.MoEEpError as e:
         print(f"moe-ep {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+
+
+DEMO_DESCRIPTION = """Run the NVFP4 quantizer on a random batch, then the MoE layer with every supported
+algorithm/layout on --ranks local ranks (gloo, spawned), each against the dense fp32
+reference: the error and the dispatch / compute / combine times per layout. The model
+shape is a preset (default small) with overrides."""
 
 
 _COMMANDS = {
@@ -134,12 +181,12 @@ _COMMANDS = {
 }
 
 
-def _add_commands(sub) -> None:
+def _add_commands(sub, plain) -> None:
     """The subcommands in ``moe_ep.commands``: each module has ``add_arguments`` and ``run``."""
     import importlib
     for name, help_text in _COMMANDS.items():
         mod = importlib.import_module(f"moe_ep.commands.{name}")
-        p = sub.add_parser(name, help=help_text, description=mod.__doc__,
+        p = sub.add_parser(name, help=help_text, description=plain(mod.__doc__),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)

@@ -5,7 +5,9 @@ Every option moe-ep reads from the environment is a field of :class:`Options`:
 ==========================  ====================  ===================================================================
 variable                    field                 values
 ==========================  ====================  ===================================================================
-``MOE_EP_AUTOTUNE``         ``autotune``          on/off (bool): off = no config search, first configs untimed
+``MOE_EP_AUTOTUNE``         ``autotune``          on/off (bool): off = no config search, first configs untimed;
+                                                  default on, off under Triton's interpreter (its timings are
+                                                  Python time: a search only costs time there)
 ``MOE_EP_AUTOTUNE_QUICK``   ``autotune_quick``    bool: search at most 3 grouped-GEMM configs per shape class
 ``MOE_EP_DECODED_MIN_M``    ``decoded_min_m``     a positive int (tokens per expert), or off (``None``: never)
 ``MOE_EP_GEMM_CHAIN``       ``gemm_chain``        bool: the expert MLP chains GEMM2 onto GEMM1 at decode shapes
@@ -105,7 +107,16 @@ def parse(env=None) -> Options:
         if raw is None or not raw.strip():
             continue
         values[field] = _PARSE[field](var, raw)
+    if "autotune" not in values:
+        values["autotune"] = autotune_default()
     return Options(**values)
+
+
+def autotune_default() -> bool:
+    """``autotune`` when ``MOE_EP_AUTOTUNE`` is unset: on, except under Triton's interpreter, whose timings measure
+    Python, not the kernel (a search there would only multiply the first calls' time)."""
+    from . import triton_runtime  # (here: it imports torch, which this module does not need otherwise)
+    return not triton_runtime.INTERPRETER
 
 
 _current: Options | None = None

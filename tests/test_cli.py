@@ -132,10 +132,11 @@ def test_routed_offsets_spread_rows_around_the_mean():
 def test_fuzz_passes_on_the_real_kernels(tmp_path, monkeypatch):
     """(Untimed first configs for the run, and the caller's options as they were afterwards.)"""
     monkeypatch.delenv("MOE_EP_AUTOTUNE", raising=False)
-    before = options.reload()  # autotune on, not set by the caller: fuzz turns the search off for its run
-    assert main(["fuzz", "--targets", "quantize,gather_quantize,route,grouped_gemm", "--examples", "4",
-                 "--database", str(tmp_path / "db")]) == 0
-    assert options.current() == before and options.current().autotune
+    options.reload()
+    with options.override(autotune=True) as before:  # on, not set in the environment: fuzz turns the search off
+        assert main(["fuzz", "--targets", "quantize,gather_quantize,route,grouped_gemm", "--examples", "4",
+                     "--database", str(tmp_path / "db")]) == 0
+        assert options.current() == before and options.current().autotune
 
 
 def test_fuzz_jobs_runs_targets_in_parallel_processes(tmp_path, capsys):
@@ -209,6 +210,9 @@ def test_bench_under_torchrun_two_ranks(tmp_path):
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["world_size"] == 2
     assert {r["rank"] for r in res["rows"]} == {0, 1}
+    layer = [r for r in res["rows"] if r["kernel"].startswith("layer")]
+    assert len(layer) == 2  # each rank's output against the dense MoE over both ranks' experts: the real error
+    assert all(r["diff"] < 2e-2 and "all experts" in r["diff_kind"] for r in layer), layer
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -227,3 +231,134 @@ def test_timing_without_a_gpu_is_one_wall_clock_call_in_seconds():
     for t in (timing.time_call(nap), timing.time_graph(nap), ours, peer, loop.device, loop.host):
         assert 0.02 <= t < 1.0, t
     assert how == "eager" and len(calls) == 5  # one call each: through the interpreter a call costs seconds
+
+
+# --- the CLI with its defaults (issue 23) ---------------------------------------------------------------------
+
+
+def test_tune_times_what_launches_and_never_raises_for_a_tma_config_at_decode(tmp_path, capsys):
+    """At a decode bucket a TMA candidate runs as the same tiles through pointer loads: that config is timed (once,
+    beside its pointer-load twin) and written, and the table says tma=0."""
+    report = tmp_path / "report.json"
+    with options.override(config_dir=str(tmp_path)):
+        assert main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "16",
+                     "--report", str(report)]) == 0
+    shape = json.loads(report.read_text())["shapes"][0]
+    timed = [t["config"] for t in shape["timings"] if "us" in t]
+    assert shape["candidates"] > shape["distinct"] == len(timed)  # a candidate launched as another one did
+    assert len({json.dumps(c, sort_keys=True) for c in timed}) == len(timed)
+    assert not any(c["TMA"] for c in timed) and shape["best"]["TMA"] is False
+    assert "tma=0" in capsys.readouterr().out
+
+
+def test_tune_writes_to_the_user_folder_the_kernels_search_not_the_package(tmp_path, monkeypatch, capsys):
+    from moe_ep import device_facts
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.grouped_gemm import tuned_files
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    shipped = {f: os.stat(os.path.join(tuned_files.SHIPPED_DIR, f)).st_mtime
+               for f in os.listdir(tuned_files.SHIPPED_DIR)}
+    with options.override(config_dir=None):
+        assert main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "8"]) == 0
+        path = str(tmp_path / "moe-ep" / "configs" / f"{device_facts.device_name()}.json")
+        assert f"wrote 1 config(s) to {path}" in capsys.readouterr().out
+        dirs = tuned_files.config_dirs()
+        assert dirs.index(os.path.dirname(path)) < dirs.index(tuned_files.SHIPPED_DIR)
+        dev = device()
+        x = torch.randn(16, 64, device=dev).to(torch.bfloat16)
+        w = torch.randn(2, 64, 64, device=dev).to(torch.bfloat16)
+        plan = plan_grouped_gemm(x, w, offsets=torch.tensor([0, 8, 16], device=dev), swiglu=True, m_hint=8)
+        assert (plan.config_source, plan.config_file) == ("tuned-file", path)
+    assert {f: os.stat(os.path.join(tuned_files.SHIPPED_DIR, f)).st_mtime
+            for f in os.listdir(tuned_files.SHIPPED_DIR)} == shipped  # the package's files stay as shipped
+
+
+def _fake_targets(monkeypatch, **checks):
+    """Replace the fuzz targets by cheap ones: name -> check(case, dev) on integer cases."""
+    from hypothesis import strategies as st
+
+    from moe_ep.commands import fuzz
+    monkeypatch.setattr(fuzz, "PROPERTIES", {n: (lambda bounds: st.integers(0, 10 ** 6), c) for n, c in checks.items()})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default of a run through the interpreter")
+def test_fuzz_default_through_the_interpreter_ends_soon(tmp_path, monkeypatch, capsys):
+    from moe_ep.commands import fuzz
+    calls = []
+    _fake_targets(monkeypatch, a=lambda case, dev: calls.append(case))
+    assert main(["fuzz", "--targets", "a", "--database", str(tmp_path / "db")]) == 0
+    assert len(calls) == fuzz.CPU_EXAMPLES < 2000  # not the fuzz profile's 2000 per target
+    assert f"at most {fuzz.CPU_EXAMPLES} example(s), 30 s" in capsys.readouterr().out
+
+
+def test_fuzz_ctrl_c_prints_what_ran_and_failed(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def interrupted(case, dev):
+        calls.append(case)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    _fake_targets(monkeypatch, a=lambda case, dev: None, b=interrupted, c=lambda case, dev: None)
+    try:
+        rc = main(["fuzz", "--targets", "a,b,c", "--examples", "5", "--database", str(tmp_path / "db")])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped moe-ep fuzz without a summary")
+    out = capsys.readouterr().out
+    assert rc == 130 and "interrupted (Ctrl-C): no failure so far" in out
+    table = out[out.rindex("moe-ep fuzz"):]
+    for target, status in (("a", "ok"), ("b", "interrupted"), ("c", "not run")):
+        assert any(f" {target} " in ln and status in ln for ln in table.splitlines()), (target, status, table)
+
+
+def _subparsers():
+    import argparse
+
+    from moe_ep.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub.choices
+
+
+@pytest.mark.parametrize("cmd", ["", "demo", "info", "bench", "tune", "fuzz"])
+def test_help_is_plain_text_with_help_on_every_option(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"] if cmd else ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for rst in ("``", ":class:", ":mod:", ":func:", ":data:"):
+        assert rst not in out, (rst, out)
+    parser = _subparsers()[1][cmd] if cmd else _subparsers()[0]
+    assert all(a.help for a in parser._actions), [a.dest for a in parser._actions if not a.help]
+
+
+def test_model_shape_options_have_one_name_in_every_subcommand():
+    choices = _subparsers()[1]
+    for cmd in ("demo", "bench", "tune"):
+        opts = {s for a in choices[cmd]._actions for s in a.option_strings}
+        assert {"--preset", "--experts", "--top-k", "--hidden", "--intermediate"} <= opts, cmd
+        args = choices[cmd].parse_args(["--experts", "16", "--intermediate", "48"])
+        assert (args.experts, args.intermediate) == (16, 48)
+
+
+@pytest.mark.parametrize("argv, option", [(["--ranks", "3"], "--ranks"), (["--ranks", "0"], "--ranks"),
+                                          (["--hidden", "100"], "--hidden"), (["--experts", "6", "--ranks", "4"], "--ranks"),
+                                          (["--tokens", "0"], "--tokens"), (["--top-k", "9"], "--top-k")])
+def test_demo_validates_before_spawning_and_names_the_option(argv, option, capsys, monkeypatch):
+    import torch.multiprocessing as mp
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned ranks for a bad option"))
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"moe-ep demo: error: MoEEpInputError: {option} = ") and "allowed" in err, err
+
+
+def test_version_is_the_installed_or_the_package_version():
+    from importlib import metadata
+    try:
+        want = metadata.version("moe-ep")
+    except metadata.PackageNotFoundError:
+        want = moe_ep.__version__
+    p = subprocess.run([sys.executable, "-m", "moe_ep.cli", "--version"], env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == f"moe-ep {want}", (p.stdout, p.stderr)

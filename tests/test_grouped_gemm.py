@@ -43,8 +43,9 @@ def _fresh_plans():
 @pytest.fixture(autouse=True)
 def _bounded_autotune():
     """On a GPU, search at most 3 configs per shape class: the tests check results, not speed. The decoded-copy bucket
-    is the default one, whatever the caller's environment says."""
-    with options.override(autotune_quick=True, decoded_min_m=config_space.DECODED_MIN_M):
+    is the default one, whatever the caller's environment says. The search is on (the interpreter's default is off):
+    these tests check the autotuned path too."""
+    with options.override(autotune=True, autotune_quick=True, decoded_min_m=config_space.DECODED_MIN_M):
         yield
 
 

@@ -3,12 +3,13 @@
 import pytest
 
 from moe_ep import MoEEpConfigError, options
+from moe_ep.triton_runtime import INTERPRETER
 
 # (variable, value, field, parsed)
 GOOD = [
     ("MOE_EP_AUTOTUNE", "off", "autotune", False), ("MOE_EP_AUTOTUNE", " off", "autotune", False),
     ("MOE_EP_AUTOTUNE", "OFF\n", "autotune", False), ("MOE_EP_AUTOTUNE", "on", "autotune", True),
-    ("MOE_EP_AUTOTUNE", "0", "autotune", False), ("MOE_EP_AUTOTUNE", "", "autotune", True),
+    ("MOE_EP_AUTOTUNE", "0", "autotune", False), ("MOE_EP_AUTOTUNE", "", "autotune", not INTERPRETER),
     ("MOE_EP_AUTOTUNE_QUICK", "0", "autotune_quick", False), ("MOE_EP_AUTOTUNE_QUICK", "1", "autotune_quick", True),
     ("MOE_EP_AUTOTUNE_QUICK", "Yes", "autotune_quick", True),
     ("MOE_EP_AUTOTUNE_QUICK", "false", "autotune_quick", False),
@@ -59,7 +60,7 @@ def test_read_once_reload_and_override(_reload_after, monkeypatch):
         raise RuntimeError  # restored on an exception too
     assert options.current().autotune_quick is False
     monkeypatch.delenv("MOE_EP_AUTOTUNE")
-    assert options.reload().autotune is True and "autotune" not in options.explicit()
+    assert options.reload().autotune is (not INTERPRETER) and "autotune" not in options.explicit()
 
 
 @pytest.mark.parametrize("kw", [dict(autotun="off"), dict(autotune="maybe"), dict(decoded_min_m=0),
@@ -77,3 +78,12 @@ def test_no_module_reads_moe_ep_variables_but_options():
     readers = [p for p in root.rglob("*.py") if p.name != "options.py"
                and re.search(r"environ[^\n]*MOE_EP_|getenv\([^\n]*MOE_EP_", p.read_text())]
     assert readers == [], readers
+
+
+@pytest.mark.parametrize("env, want", [({}, not INTERPRETER), ({"MOE_EP_AUTOTUNE": " "}, not INTERPRETER),
+                                       ({"MOE_EP_AUTOTUNE": "on"}, True), ({"MOE_EP_AUTOTUNE": "off"}, False)])
+def test_autotune_is_off_by_default_under_the_interpreter_only(env, want, monkeypatch):
+    """The interpreter's timings are Python time: no search there unless MOE_EP_AUTOTUNE=on asks for one."""
+    assert options.parse(env).autotune is want
+    monkeypatch.setattr("moe_ep.triton_runtime.INTERPRETER", not INTERPRETER)  # the other machine's default
+    assert options.parse(env).autotune is (want if env.get("MOE_EP_AUTOTUNE", "").strip() else INTERPRETER)

@@ -16,7 +16,8 @@ Rows (``--kernels``):
 * ``bridge`` — route + permute + weighted unpermute-reduce of ``[T, K]`` picks; peer torch (argsort, index_add).
 * ``layer`` — ``MoEEpLayer`` forward per ``--layouts``; the layer is built with L local experts per rank and
   ``L * world`` experts in all, so each rank's expert load at T tokens matches the full deployment's.
-  Peer: a torch MoE (argsort, ``_grouped_mm``, index_add) over this rank's experts (no communication).
+  Peer: a torch MoE (argsort, ``_grouped_mm``, index_add) over this rank's experts (no communication); ``diff``:
+  against the dense fp32 MoE over all experts (each rank rebuilds any expert's weights from the seed).
 
 Under torchrun each rank benches its own shard; rank 0 gathers the rows and writes ``bench.json`` and
 ``bench.png`` (time and % of floor vs tokens) into ``--out``.
@@ -51,7 +52,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peak-flops", type=float, default=795e12, help="FLOP ceiling, FLOP/s (H200 bf16: 795e12)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="measuring time per timed function (GPU)")
     parser.add_argument("--out", default="moe-ep-bench", help="output folder for bench.json and bench.png")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, activations and routing (default 0)")
 
 
 # --- peers -------------------------------------------------------------------------------------------------
@@ -140,14 +141,37 @@ class Bench:
         self.p, self.world, self.args, self.dev = p, world, args, dev
         self.gen = torch.Generator().manual_seed(args.seed)  # routing (small, on the CPU)
         self.dgen = torch.Generator(device=dev).manual_seed(args.seed)  # activations (large, on the device)
-        L, H, I = p.local_experts, p.hidden, p.intermediate
-        self.w13 = (torch.randn(L, 2 * I, H, dtype=torch.bfloat16, device=dev) * H ** -0.5)
-        self.w2 = (torch.randn(L, H, I, dtype=torch.bfloat16, device=dev) * I ** -0.5)
+        L = p.local_experts
+        import torch.distributed as dist
+        self.rank = dist.get_rank() if world > 1 and dist.is_initialized() else 0
+        local = [self.expert(e) for e in range(self.rank * L, (self.rank + 1) * L)]
+        self.w13 = torch.stack([w13 for w13, _ in local])
+        self.w2 = torch.stack([w2 for _, w2 in local])
+        del local
         self.q13 = self.q2 = None
         if "mlp-nvfp4" in args.kernel_list:
             self.q13 = quantize_nvfp4(self.w13, nvfp4_global_scale(self.w13, per_slice=True))
             self.q2 = quantize_nvfp4(self.w2, nvfp4_global_scale(self.w2, per_slice=True))
         self.gmm, self.gmm_note = grouped_mm_peer(dev)
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global expert ``e``'s bf16 ``(w13 [2I, H], w2 [H, I])``, the same on every rank (seeded by ``e``): each
+        rank holds its own experts and can rebuild any other's for the dense reference."""
+        H, I = self.p.hidden, self.p.intermediate
+        gen = torch.Generator(device=self.dev).manual_seed(self.args.seed * 1_000_003 + e)
+        w13 = torch.randn(2 * I, H, generator=gen, device=self.dev) * H ** -0.5
+        w2 = torch.randn(H, I, generator=gen, device=self.dev) * I ** -0.5
+        return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+
+    def dense_reference(self, x, idx, wts) -> torch.Tensor:
+        """The full MoE of this rank's tokens over all ``L * world`` experts, fp32 (:func:`moe_ep.reference.
+        moe_reference`, one expert's weights at a time: the whole model need not fit beside the layer)."""
+        from ..reference import moe_reference
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(idx[idx >= 0]).tolist():
+            w13, w2 = self.expert(e)
+            out += moe_reference(x, torch.where(idx == e, 0, -1), wts, w13[None], w2[None])
+        return out
 
     def randn(self, *shape):
         return torch.randn(*shape, generator=self.dgen, device=self.dev).to(torch.bfloat16)
@@ -209,7 +233,9 @@ class Bench:
             x = self.randn(T, H)
             idx, wts = _routing(T, K, E, self.gen, self.dev)
             ours = lambda: layer(x, idx, wts, validate=False)  # noqa: E731
-            # the peer runs this rank's experts on this rank's tokens (ids of other ranks skipped)
+            # diff: against the dense MoE over all experts (the layer's answer); the timed peer runs this rank's
+            # experts on this rank's tokens (ids of other ranks skipped): the compute a rank does, no communication
+            reference = self.dense_reference(x, idx, wts)
             local = idx - layer.rank * L
             peer = lambda: torch_moe(self.gmm, x, local, wts, self.w13, self.w2)  # noqa: E731
             peer_name = "torch MoE (argsort, " + ("_grouped_mm" if self.gmm is not None else "reference MLP") + \
@@ -233,8 +259,11 @@ class Bench:
             ref = peer()
         if kernel == "quant":  # bit-exact kernel: the fraction of codes that differ (0 expected)
             diff = float((out.data != ref[0]).float().mean().item()) if out.data.numel() else 0.0
+            diff_kind = "fraction of codes differing"
+        elif kernel.startswith("layer"):
+            diff, diff_kind = _rel(out, reference), "rel err vs the dense fp32 MoE over all experts"
         else:
-            diff = _rel(out, ref)
+            diff, diff_kind = _rel(out, ref), "rel err vs peer"
         # through the interpreter every call costs seconds: the checked call is the timed one
         timing = "eager"
         if INTERPRETER:
@@ -250,7 +279,7 @@ class Bench:
                     peer=peer_name, speedup=t_peer / t_ours if t_ours else None, bytes=nbytes, flops=flops,
                     floor_us=floor * 1e6, pct_floor=100 * floor / t_ours if t_ours else None,
                     peer_pct_floor=100 * floor / t_peer if t_peer else None,
-                    diff=diff, diff_kind="fraction of codes differing" if kernel == "quant" else "rel err vs peer",
+                    diff=diff, diff_kind=diff_kind,
                     note=note, timing=timing, rank=int(os.environ.get("RANK", "0")))
 
 

@@ -44,39 +44,77 @@ PRESETS = {p.name: p for p in (
 
 
 def get_preset(name: str, *, hidden: int | None = None, intermediate: int | None = None,
-               local_experts: int | None = None, top_k: int | None = None) -> Preset:
-    """The preset ``name``, with optional overrides (for quick runs on tiny shapes). Unknown names and
-    bad overrides raise :class:`MoEEpInputError` listing what is allowed."""
+               experts: int | None = None, top_k: int | None = None) -> Preset:
+    """The preset ``name``, with optional overrides (for quick runs on tiny shapes; ``experts`` is the model's total,
+    spread over the preset's EP size). Unknown names and bad overrides raise :class:`MoEEpInputError` naming the
+    option and what is allowed."""
     if name not in PRESETS:
-        raise MoEEpInputError(f"preset = {name!r}; allowed: {', '.join(PRESETS)}")
+        raise MoEEpInputError(f"--preset = {name!r}; allowed: {', '.join(PRESETS)}")
     p = PRESETS[name]
     for what, v, mult in (("hidden", hidden, 32), ("intermediate", intermediate, 16)):
         if v is not None and (v <= 0 or v % mult):
             raise MoEEpInputError(f"--{what} = {v}; allowed: a positive multiple of {mult}")
-    if local_experts is not None and local_experts <= 0:
-        raise MoEEpInputError(f"--experts = {local_experts}; allowed: a positive int (local experts per rank)")
-    p = replace(p, hidden=hidden or p.hidden, intermediate=intermediate or p.intermediate)
-    if local_experts is not None:
-        p = replace(p, experts=local_experts, ep=1)
+    if experts is not None and (experts <= 0 or experts % p.ep):
+        raise MoEEpInputError(f"--experts = {experts}; allowed: a positive multiple of {p.ep} (preset {p.name}'s "
+                              f"EP size: the experts of all ranks together)")
+    p = replace(p, hidden=hidden or p.hidden, intermediate=intermediate or p.intermediate, experts=experts or p.experts)
     if top_k is not None:
-        if not 0 < top_k <= p.experts * max(1, p.ep):
-            raise MoEEpInputError(f"--top-k = {top_k}; allowed: 1..{p.experts}")
+        if not 0 < top_k <= p.experts:
+            raise MoEEpInputError(f"--top-k = {top_k}; allowed: 1..{p.experts} (--experts)")
         p = replace(p, top_k=top_k)
     return p
 
 
+SHAPE_OPTIONS = {"num_experts": "--experts", "top_k": "--top-k", "hidden_size": "--hidden",
+                 "intermediate_size": "--intermediate", "max_tokens_per_rank": "--tokens"}
+"""EpConfig field -> the command-line option that sets it."""
+
+
 def add_shape_arguments(parser) -> None:
-    """``--preset`` plus the shape overrides every subcommand accepts."""
-    parser.add_argument("--preset", default="small", help=f"model shape: one of {', '.join(PRESETS)}")
-    parser.add_argument("--hidden", type=int, default=None, help="override the preset's hidden size H")
-    parser.add_argument("--intermediate", type=int, default=None, help="override the intermediate size I")
-    parser.add_argument("--experts", type=int, default=None, help="override the local experts per rank")
-    parser.add_argument("--top-k", type=int, default=None, help="override top-k")
+    """``--preset`` and the model-shape overrides, the same names in every subcommand (the demo's old ``--inter``
+    still works: argparse takes an unambiguous prefix of ``--intermediate``)."""
+    parser.add_argument("--preset", default="small", help=f"model shape: one of {', '.join(PRESETS)} "
+                        "(default: small)")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="override the number of experts E, all ranks together")
+    parser.add_argument("--top-k", type=int, default=None, help="override the experts picked per token")
+    parser.add_argument("--hidden", type=int, default=None, help="override the hidden size H")
+    parser.add_argument("--intermediate", type=int, default=None, help="override the intermediate size I per expert")
 
 
 def preset_from_args(args, name: str | None = None) -> Preset:
     return get_preset(name or args.preset, hidden=args.hidden, intermediate=args.intermediate,
-                      local_experts=args.experts, top_k=args.top_k)
+                      experts=args.experts, top_k=args.top_k)
+
+
+def check_layer_shape(p: Preset, tokens: int, ranks: int) -> None:
+    """The layer shape of ``p`` at ``tokens`` per rank over ``ranks`` ranks, validated by :class:`EpConfig` before
+    any work starts; its error names the command-line option (``--hidden = 100; allowed: ...``)."""
+    import re
+
+    from ..config import EpConfig
+    from ..errors import MoEEpConfigError
+    if ranks < 1 or p.experts % ranks:
+        divisors = [d for d in range(1, p.experts + 1) if p.experts % d == 0]
+        raise MoEEpInputError(f"--ranks = {ranks}; allowed: a divisor of --experts ({p.experts}): "
+                              f"{', '.join(map(str, divisors))}")
+    try:
+        EpConfig(p.experts, p.top_k, p.hidden, p.intermediate, tokens)
+    except MoEEpConfigError as e:
+        m = re.match(r"EpConfig\.(\w+) = (.*)", str(e), re.DOTALL)
+        if m is None or m.group(1) not in SHAPE_OPTIONS:
+            raise
+        raise MoEEpInputError(f"{SHAPE_OPTIONS[m.group(1)]} = {m.group(2)} (EpConfig.{m.group(1)})") from None
+
+
+def plain(doc: str | None) -> str:
+    """A module docstring as terminal text for ``--help``: reStructuredText roles and literals unwrapped
+    (``:class:`~moe_ep.X``` -> ``X``, double backquotes dropped)."""
+    import re
+    text = re.sub(r":[a-z]+:`~?([^`<]*?)(?: <[^>]*>)?`", lambda m: m.group(1).rsplit(".", 1)[-1]
+                  if m.group(0).startswith((":class:`~", ":func:`~", ":mod:`~", ":data:`~")) else m.group(1),
+                  doc or "")
+    return text.replace("``", "").strip()
 
 
 def int_list(text: str, what: str) -> list[int]:

@@ -11,7 +11,9 @@ Runs under the ``fuzz`` hypothesis profile with a persistent example database (`
 ``--examples`` examples per target or ``--seconds`` in all (split evenly over the targets). On a mismatch it
 prints the shrunk counterexample and a command that reproduces it, and exits 1. ``--jobs N`` runs N fuzzing
 processes at once, round-robin over the visible GPUs: one per target, or, with more jobs than targets,
-several per target (shards with their own seeds sharing the target's examples and the database).
+several per target (shards with their own seeds sharing the target's examples and the database). A progress bar
+per target shows the examples run; Ctrl-C stops the run and prints what ran and what failed (exit code 130).
+Through the interpreter, without --examples or --seconds, each target stops after 25 examples or 30 s.
 """
 
 from __future__ import annotations
@@ -38,16 +40,22 @@ from ..testing import strategies as S
 from ..testing.profiles import FUZZ, register_profiles
 from ..testing.properties import PROPERTIES
 from ..triton_runtime import INTERPRETER, device
-from .common import name_list, print_table
+from .common import name_list, print_table, progress
 
 # --- the runner ----------------------------------------------------------------------------------------------
+
+# through the interpreter an example costs up to seconds of Python: without --examples / --seconds a run there stops
+# each target at whichever of these comes first (a GPU run takes the fuzz profile's examples)
+CPU_EXAMPLES = 25
+CPU_SECONDS_PER_TARGET = 30.0
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--targets", default="all", help=f"'all' or a subset of {','.join(PROPERTIES)}")
     parser.add_argument("--examples", type=int, default=None, help="examples per target (default: the fuzz "
-                        "profile's 2000, or unbounded with --seconds)")
-    parser.add_argument("--seconds", type=float, default=None, help="total time, split evenly over the targets")
+                        f"profile's 2000 on a GPU, {CPU_EXAMPLES} through the interpreter; unbounded with --seconds)")
+    parser.add_argument("--seconds", type=float, default=None, help="total time, split evenly over the targets "
+                        f"(default: none on a GPU, {CPU_SECONDS_PER_TARGET:.0f} s per target through the interpreter)")
     parser.add_argument("--sizes", choices=sorted(S.BOUNDS), default=None,
                         help="case sizes (default: gpu on a GPU, tiny through the interpreter)")
     parser.add_argument("--database", default=None,
@@ -78,12 +86,23 @@ def _repro_command(args, target: str, blob: str | None, db: str, sizes: str) -> 
     return " ".join(shlex.quote(c) for c in cmd)
 
 
-def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev) -> dict:
-    """Fuzz one target in rounds until its examples or seconds are spent; stop at the first failure."""
+def default_limits(args) -> tuple[int | None, float | None]:
+    """(examples per target, seconds per target or None) when the caller gave neither: the fuzz profile's examples on
+    a GPU; through the interpreter :data:`CPU_EXAMPLES` or :data:`CPU_SECONDS_PER_TARGET`, whichever comes first."""
+    if args.examples is not None or args.seconds is not None:
+        return args.examples, None
+    if INTERPRETER or not torch.cuda.is_available():
+        return CPU_EXAMPLES, CPU_SECONDS_PER_TARGET
+    return settings.get_profile(FUZZ).max_examples, None
+
+
+def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev, examples: int | None = None,
+               advance=lambda: None) -> dict:
+    """Fuzz one target in rounds until ``examples`` (None: unbounded) or ``budget_s`` are spent; stop at the first
+    failure, or on Ctrl-C (status "interrupted": the caller stops and reports). ``advance()`` after each example."""
     cases, check = PROPERTIES[name]
     strategy = cases(S.BOUNDS[sizes])
-    default = None if budget_s is not None else settings.get_profile(FUZZ).max_examples
-    total = args.examples if args.examples is not None else default
+    total = examples
     done, t0, lines = [0], time.perf_counter(), []
 
     def body(case):
@@ -91,6 +110,7 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
             assume(False)  # time is up: the rest of this round is skipped (cheaply)
         done[0] += 1
         check(case, dev)
+        advance()
 
     body.__name__ = body.__qualname__ = name
 
@@ -121,6 +141,9 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
                 break
             if args.reproduce:
                 break
+    except KeyboardInterrupt:
+        return dict(target=name, status="interrupted", examples=done[0], seconds=time.perf_counter() - t0,
+                    detail="Ctrl-C")
     except (Exception, AssertionError) as e:  # noqa: BLE001  (any exception in a kernel is a finding)
         if isinstance(e, HypothesisException) and not isinstance(e, AssertionError) and "Falsifying" not in "".join(lines):
             detail = f"{type(e).__name__}: {e}"
@@ -181,35 +204,48 @@ def run_parallel(args, names: list[str]) -> list[dict]:
     seconds = None if args.seconds is None else args.seconds * min(args.jobs, len(plan)) / len(plan)
     results, running, todo = [], [], list(enumerate(plan))
     with tempfile.TemporaryDirectory() as tmp:
-        while todo or running:
-            while todo and len(running) < args.jobs:
-                i, (name, shard, examples) = todo.pop(0)
-                env = dict(os.environ)
-                # each child's torch would start one CPU thread per core: N children would oversubscribe N-fold
-                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
-                if visible:
-                    env["CUDA_VISIBLE_DEVICES"] = visible[i % len(visible)]
-                tag = f"{name}.{shard}"
-                out = os.path.join(tmp, f"{tag}.json")
-                seed = None if args.seed is None else args.seed + 1_000_003 * shard
-                with open(os.path.join(tmp, f"{tag}.log"), "w") as log:  # a file: a pipe could fill and block
-                    proc = subprocess.Popen(_child_argv(args, name, examples, seconds, seed, out), env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
-                running.append((name, tag, out, proc))
-            done = [r for r in running if r[3].poll() is not None]
-            if not done:
-                time.sleep(0.2)
-            for name, tag, out, proc in done:
-                running.remove((name, tag, out, proc))
-                with open(os.path.join(tmp, f"{tag}.log")) as log:
-                    print(log.read(), end="", flush=True)
-                if os.path.exists(out):
-                    with open(out) as f:
-                        results += json.load(f)
-                else:  # the child died before writing its results: that is a finding too
-                    results.append(dict(target=name, status="FAILED", examples=0, seconds=0.0,
-                                        detail=f"the fuzzing process ({tag}) exited with code {proc.returncode}"))
+        try:
+            _run_children(args, plan, seconds, visible, results, running, todo, tmp)
+        except KeyboardInterrupt:  # Ctrl-C reached the children too: stop them, report what finished
+            for name, tag, out, proc in running:
+                proc.terminate()
+                proc.wait()
+                results.append(dict(target=name, status="interrupted", examples=0, seconds=0.0, detail="Ctrl-C"))
+            results += [dict(target=name, status="not run", examples=0, seconds=0.0, detail="")
+                        for _, (name, _, _) in todo]
     return _merge_shards(results)
+
+
+def _run_children(args, plan, seconds, visible, results, running, todo, tmp) -> None:
+    """The loop of :func:`run_parallel`: start children up to ``args.jobs``, collect each one's output and results."""
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            i, (name, shard, examples) = todo.pop(0)
+            env = dict(os.environ)
+            # each child's torch would start one CPU thread per core: N children would oversubscribe N-fold
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
+            if visible:
+                env["CUDA_VISIBLE_DEVICES"] = visible[i % len(visible)]
+            tag = f"{name}.{shard}"
+            out = os.path.join(tmp, f"{tag}.json")
+            seed = None if args.seed is None else args.seed + 1_000_003 * shard
+            with open(os.path.join(tmp, f"{tag}.log"), "w") as log:  # a file: a pipe could fill and block
+                proc = subprocess.Popen(_child_argv(args, name, examples, seconds, seed, out), env=env,
+                                        stdout=log, stderr=subprocess.STDOUT)
+            running.append((name, tag, out, proc))
+        done = [r for r in running if r[3].poll() is not None]
+        if not done:
+            time.sleep(0.2)
+        for name, tag, out, proc in done:
+            running.remove((name, tag, out, proc))
+            with open(os.path.join(tmp, f"{tag}.log")) as log:
+                print(log.read(), end="", flush=True)
+            if os.path.exists(out):
+                with open(out) as f:
+                    results += json.load(f)
+            else:  # the child died before writing its results: that is a finding too
+                results.append(dict(target=name, status="FAILED", examples=0, seconds=0.0,
+                                    detail=f"the fuzzing process ({tag}) exited with code {proc.returncode}"))
 
 
 def run(args) -> int:
@@ -230,17 +266,29 @@ def run(args) -> int:
     sizes = args.sizes or ("tiny" if INTERPRETER or not torch.cuda.is_available() else "gpu")
     db, dev = _database(args), device()
     os.makedirs(db, exist_ok=True)
-    budget = None if args.seconds is None else args.seconds / len(names)
-    print(f"fuzzing {', '.join(names)} on {dev} ({sizes} sizes; database {db})", flush=True)
+    examples, budget = default_limits(args)
+    if args.seconds is not None:
+        budget = args.seconds / len(names)
+    limits = ", ".join(([f"{examples} example(s)"] if examples else []) + ([f"{budget:.0f} s"] if budget else []))
+    print(f"fuzzing {', '.join(names)} on {dev} ({sizes} sizes; per target at most {limits or 'no limit'}; "
+          f"database {db})", flush=True)
     results = []
     with options.override(**search):
         for name in names:
-            r = run_target(name, args, sizes, db, budget, dev)
+            try:
+                with progress(f"fuzz {name}", examples) as advance:
+                    r = run_target(name, args, sizes, db, budget, dev, examples, advance)
+            except KeyboardInterrupt:  # between examples, outside hypothesis
+                r = dict(target=name, status="interrupted", examples=0, seconds=0.0, detail="Ctrl-C")
             results.append(r)
             print(f"  {name}: {r['status']} after {r['examples']} example(s), {r['seconds']:.1f} s", flush=True)
             if r["status"] == "FAILED":
                 print(f"\nMISMATCH in {name}: {r['detail']}\n{r['report']}\nreproduce with:\n  {r['reproduce']}\n",
                       flush=True)
+            if r["status"] == "interrupted":
+                results += [dict(target=n, status="not run", examples=0, seconds=0.0, detail="")
+                            for n in names[len(results):]]
+                break
     return _report(results, args)
 
 
@@ -251,4 +299,8 @@ def _report(results: list[dict], args) -> int:
             json.dump([{k: r[k] for k in ("target", "status", "examples", "seconds", "detail")} for r in results], f)
     print_table("moe-ep fuzz", ["target", "status", "examples", "seconds", "detail"],
                 [[r["target"], r["status"], r["examples"], f"{r['seconds']:.1f}", r["detail"][:100]] for r in results])
-    return 1 if any(r["status"] == "FAILED" for r in results) else 0
+    failed = [r["target"] for r in results if r["status"] == "FAILED"]
+    if any(r["status"] in ("interrupted", "not run") for r in results):
+        print("interrupted (Ctrl-C): " + (f"failed so far: {', '.join(failed)}" if failed else "no failure so far"))
+        return 130
+    return 1 if failed else 0

@@ -10,11 +10,14 @@ spread.
 
 The candidates are exactly the kernels' own space, ``config_space.grouped_gemm_configs()`` pruned by
 ``config_space.prune_grouped_gemm_configs`` for the shape class, the same list ``triton.autotune`` would try.
-Each is timed explicitly (launched with ``grouped_gemm(..., config=)``, then timed), not through
-``triton.autotune``; a config that fails to compile or run is skipped. The best is written to
+Each is timed as it launches (a TMA config where TMA cannot run, e.g. at a decode bucket, runs the same tiles through
+pointer loads: that is the config timed and written; candidates that launch the same kernel are timed once), with
+``grouped_gemm(..., config=)``, not through ``triton.autotune``; a config that fails to compile or run is skipped.
+The best is written to
 ``<dir>/<device name>.json`` in the loader's format (``{shape_class: {bucket: config}}``), after each shape,
 atomically, so an interrupted run loses nothing and a rerun skips what is already there (``--force`` redoes
-it). ``<dir>``: ``--out-dir``, else ``$MOE_EP_CONFIG_DIR``, else the package's ``moe_ep/kernels/grouped_gemm/configs``.
+it). ``<dir>``: ``--out-dir``, else ``$MOE_EP_CONFIG_DIR``, else the user's ``$XDG_CONFIG_HOME/moe-ep/configs``
+(``~/.config/moe-ep/configs``), which the kernels search before the package's shipped files.
 Nothing here assumes an architecture: the device name and the config space come from the kernels' package.
 """
 
@@ -27,7 +30,7 @@ import torch
 
 from .. import device_facts, options
 from ..errors import MoEEpConfigError
-from ..kernels.grouped_gemm import config_space, grouped_gemm, tuned_files
+from ..kernels.grouped_gemm import config_space, grouped_gemm, plan_grouped_gemm, tuned_files
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
                      routed_offsets, uniform_offsets, write_json)
@@ -43,13 +46,13 @@ def add_arguments(parser) -> None:
     add_shape_arguments(parser)
     parser.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
     parser.add_argument("--buckets", default=None,
-                        help="tokens-per-expert buckets (default 8,16,...,2048 on a GPU; 16 on the CPU)")
+                        help="tokens-per-expert buckets (default 8,16,...,2048 on a GPU; 8 on the CPU)")
     parser.add_argument("--formats", default="bf16,nvfp4", help="weight formats: bf16,nvfp4")
     parser.add_argument("--counts", choices=COUNTS, default="routed",
                         help="rows per expert: routed (drawn at random around the bucket) or uniform (exactly it)")
     parser.add_argument("--gemms", default="gemm1,gemm2", help="which GEMMs: gemm1 (SwiGLU), gemm2")
     parser.add_argument("--out-dir", default=None, help="folder for <device>.json (default: $MOE_EP_CONFIG_DIR, "
-                        "else the package's moe_ep/kernels/grouped_gemm/configs)")
+                        "else ~/.config/moe-ep/configs, or under $XDG_CONFIG_HOME)")
     parser.add_argument("--max-seconds-per-shape", type=float, default=60.0,
                         help="stop trying configs for a shape after this long (at least one is tried)")
     parser.add_argument("--max-seconds", type=float, default=None,
@@ -60,7 +63,9 @@ def add_arguments(parser) -> None:
 
 
 def out_dir(args) -> str:
-    return args.out_dir or options.current().config_dir or tuned_files.SHIPPED_DIR
+    """``--out-dir``, else ``$MOE_EP_CONFIG_DIR``, else the user's folder: each one the kernels search before the
+    package's shipped files (which a tune run never rewrites unless ``--out-dir`` names them)."""
+    return args.out_dir or options.current().config_dir or tuned_files.user_config_dir()
 
 
 def shapes(preset, gemms, formats, buckets) -> list[dict]:
@@ -96,41 +101,52 @@ def tune_shape(s: dict, budget_s: float, rep_ms: float, dev, counts: str = "rout
                                               "TMA_OK": not s["w_fp4"] and device_facts.tma_supported()},
         SWIGLU=s["swiglu"], W_FP4=s["w_fp4"])
     x, w, offsets = _operands(s, dev, counts)
-    t_start, timings, best = time.perf_counter(), [], None
-    for i, c in enumerate(cands):
-        if i and time.perf_counter() - t_start > budget_s:
+    gemm = dict(offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])
+    t_start, timings, seen, best = time.perf_counter(), [], set(), None
+    for c in cands:
+        if best is not None and time.perf_counter() - t_start > budget_s:
             break
-        cfg = config_space.config_dict(c)
-        fn = lambda cfg=cfg: grouped_gemm(x, w, offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"],  # noqa: E731
-                                          config=cfg, return_plan=True)
+        asked = config_space.config_dict(c)
+        try:  # what the launch would run: a TMA config where TMA cannot run becomes the same tiles by pointer loads
+            cfg = {k: plan_grouped_gemm(x, w, config=asked, **gemm).config[k] for k in CONFIG_KEYS}
+        except MoEEpConfigError as e:  # (does not fit here, e.g. in shared memory)
+            timings.append(dict(config=asked, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+            continue
+        if tuple(cfg.items()) in seen:  # an earlier candidate launches the same kernel: timed already
+            continue
+        seen.add(tuple(cfg.items()))
+        fn = lambda cfg=cfg: grouped_gemm(x, w, config=cfg, return_plan=True, **gemm)  # noqa: E731
         try:
+            t0 = time.perf_counter()
             _, plan = fn()  # compiles
             sync()
-            if plan.config_source != "forced" or {k: plan.config.get(k) for k in CONFIG_KEYS} != cfg:
-                raise MoEEpConfigError(f"grouped_gemm launched {plan.config}; allowed: the forced config {cfg}")
-            t = time_call(fn, rep_ms=rep_ms, warmup_ms=5.0)
-        except MoEEpConfigError:
-            raise
+            cfg = {k: plan.config[k] for k in CONFIG_KEYS}  # what ran is what is timed and written
+            # the interpreter has nothing to compile and its time means little: its first call is the timing
+            t = time.perf_counter() - t0 if INTERPRETER else time_call(fn, rep_ms=rep_ms, warmup_ms=5.0)
         except Exception as e:  # noqa: BLE001  (a config that cannot compile or run here is skipped)
             timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
             continue
         timings.append(dict(config=cfg, us=t * 1e6))
         if best is None or t < best[0]:
             best = (t, cfg)
-    return dict(best=best[1] if best else None, best_us=best[0] * 1e6 if best else None, tried=len(timings),
-                candidates=len(cands), timings=timings, seconds=time.perf_counter() - t_start)
+    return dict(best=best[1] if best else None, best_us=best[0] * 1e6 if best else None,
+                tried=sum("us" in t for t in timings), distinct=len(seen), candidates=len(cands), timings=timings,
+                seconds=time.perf_counter() - t_start)
 
 
 def run(args) -> int:
     names = name_list(args.presets or args.preset, "--presets", PRESETS)
     presets = [preset_from_args(args, n) for n in names]
-    buckets = int_list(args.buckets or ("16" if INTERPRETER else "8,16,32,64,128,256,512,1024,2048"), "--buckets")
+    buckets = int_list(args.buckets or ("8" if INTERPRETER else "8,16,32,64,128,256,512,1024,2048"), "--buckets")
     todo = [s for p in presets for s in shapes(p, name_list(args.gemms, "--gemms", GEMMS),
                                                name_list(args.formats, "--formats", FORMATS), buckets)]
     folder = out_dir(args)
     path = os.path.join(folder, device_facts.device_name() + ".json")
     dev = device()
     print(f"tuning {len(todo)} shape(s) on {device_facts.device_name()} into {path}")
+    if INTERPRETER:
+        print("note: Triton interpreter (no GPU): timings are Python time, so the configs written only show that "
+              "each one runs; tune on the GPU the configs are for")
     if os.path.abspath(folder) not in [os.path.abspath(d) for d in tuned_files.config_dirs()]:
         print(f"note: the kernels do not search {folder}; run them with MOE_EP_CONFIG_DIR={folder}")
     t0, rows, report, stopped = time.perf_counter(), [], [], False
@@ -158,10 +174,13 @@ def run(args) -> int:
             rows.append([s["preset"], key, s["bucket"],
                          "none ran: " + next((t["error"] for t in r["timings"] if "error" in t), "") if best is None else
                          f"{best['BLOCK_M']}x{best['BLOCK_N']}x{best['BLOCK_K']} swap={int(best['SWAP_AB'])} "
-                         f"w{best['num_warps']} s{best['num_stages']}",
-                         "-" if r["best_us"] is None else f"{r['best_us']:.1f}", f"{r['tried']}/{r['candidates']}"])
+                         f"tma={int(best['TMA'])} w{best['num_warps']} s{best['num_stages']}",
+                         "-" if r["best_us"] is None else f"{r['best_us']:.1f}", f"{r['tried']}/{r['distinct']}"])
             advance(label)
-    print_table(f"tuned configs -> {path}", ["preset", "shape class", "bucket", "best config", "us", "tried"], rows)
+    print_table(f"tuned configs -> {path}", ["preset", "shape class", "bucket", "best config", "us", "timed/distinct"], rows)
+    written = sum(r["best"] is not None for r in report)
+    if written:
+        print(f"wrote {written} config(s) to {path}")
     if args.report:
         write_json(args.report, dict(device=device_facts.device_name(), file=path, shapes=report))
     if stopped:

@@ -66,11 +66,18 @@ def validate(cfg, where: str, swiglu: bool = False, w_fp4: bool = False, smem_li
     return out
 
 
+def user_config_dir() -> str:
+    """The user's folder of tuned configs, where ``moe-ep tune`` writes by default: ``$XDG_CONFIG_HOME/moe-ep/configs``,
+    else ``~/.config/moe-ep/configs`` (outside the package, so an install's shipped files stay as shipped)."""
+    return os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"),
+                        "moe-ep", "configs")
+
+
 def config_dirs() -> list[str]:
-    """Folders searched for tuned configs: the ``config_dir`` option (``$MOE_EP_CONFIG_DIR``) first, then the
-    shipped ``configs/``."""
+    """Folders searched for tuned configs, in order: the ``config_dir`` option (``$MOE_EP_CONFIG_DIR``), the user's
+    folder (:func:`user_config_dir`), then the shipped ``configs/``."""
     extra = options.current().config_dir
-    return ([extra] if extra else []) + [SHIPPED_DIR]
+    return ([extra] if extra else []) + [user_config_dir(), SHIPPED_DIR]
 
 
 def load_config_file(path: str) -> dict:
