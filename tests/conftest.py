@@ -1,8 +1,13 @@
 """Test setup: moe_ep first (it picks the interpreter without a GPU), hypothesis profiles, markers."""
 
 import os
+import tempfile
 
-import moe_ep  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+# a developer's own tuned configs (~/.config/moe-ep/configs, searched before the shipped ones) must not change
+# what the tests see: the tests (and the processes they spawn) get an empty user folder of their own
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="moe-ep-tests-config-")
+
+import moe_ep  # noqa: E402,F401  (sets TRITON_INTERPRET before triton is imported)
 import pytest
 import torch
 from hypothesis import settings
