@@ -3,7 +3,7 @@ place, by blocks whose routed experts run through moe-ep (``pip install 'moe-ep[
 does not import this package."""
 
 from .blocks import SUPPORTED
-from .convert import convert
+from .convert import convert, find_blocks
 from .module import MoEEpBlock
 
-__all__ = ["convert", "MoEEpBlock", "SUPPORTED"]
+__all__ = ["convert", "find_blocks", "MoEEpBlock", "SUPPORTED"]
