@@ -67,8 +67,9 @@ def tiny_model(family: str, seed: int = 0, dev="cpu", **overrides):
         for m in model.modules():
             if type(m).__name__ in moe_ep.hf.SUPPORTED:
                 m.gate.weight.normal_(0, 0.3)
-                for p in m.experts.parameters():  # fan-in scaled: the experts matter to the logits
-                    p.normal_(0, p.shape[-1] ** -0.5)
+                shared = getattr(m, "shared_experts", None)
+                for p in [*m.experts.parameters(), *(shared.parameters() if shared is not None else ())]:
+                    p.normal_(0, p.shape[-1] ** -0.5)  # fan-in scaled: the experts matter to the logits
                 if hasattr(m.gate, "e_score_correction_bias"):
                     m.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
     return model.to(device=dev, dtype=torch.bfloat16).eval()
@@ -120,7 +121,8 @@ def test_converted_blocks_keep_only_their_shard_and_no_original_experts(family, 
                        if not n.startswith("shared_experts"))
         w = new.weights
         E, I = new.config.num_experts, new.config.intermediate_size
-        assert w.w13.untyped_storage().nbytes() == E * 2 * I * H * 2 and w.w2.untyped_storage().nbytes() == E * H * I * 2
+        assert w.w13.untyped_storage().nbytes() == E * 2 * I * H * 2  # world size 1: all experts, once
+        assert w.w2.untyped_storage().nbytes() == E * H * I * 2
 
 
 def test_batch_seq_shapes_and_tuple_structure(dev):
@@ -262,7 +264,12 @@ def _rank_cases(rank: int, world: int) -> list[str]:
             for n in names:
                 block = model.get_submodule(n)
                 assert block.experts.world_size == world, block.experts.world_size
-                assert block.experts.weights.num_local_experts == block.config.num_experts // world
+                w, c = block.experts.weights, block.config
+                L = c.num_experts // world
+                assert w.num_local_experts == L, w.num_local_experts
+                # this rank's shard alone, not a view into all experts' storage
+                assert w.w13.untyped_storage().nbytes() == L * 2 * c.intermediate_size * H * 2
+                assert w.w2.untyped_storage().nbytes() == L * H * c.intermediate_size * 2
             ids = torch.randint(0, VOCAB, (1, 4 + rank), generator=torch.Generator().manual_seed(rank))  # own tokens
             with torch.no_grad():
                 err = rel_err(model(ids).logits, ref(ids).logits)
