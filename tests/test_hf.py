@@ -84,6 +84,22 @@ def greedy(model, ids, n=5):
                           do_sample=False, pad_token_id=0)
 
 
+def greedy_agrees(model, ref, ids, n) -> bool:
+    """The converted model's greedy tokens are the unconverted model's, but for a bf16 tie: at the first token
+    where they part, the converted model's pick must be within 2 bf16 ulps of the best logit the unconverted
+    model gives there (the two round to bf16 at other points, so a tie may fall either way)."""
+    got, want = greedy(model, ids, n), greedy(ref, ids, n)
+    differ = (got != want)[0].nonzero()
+    if not len(differ):
+        return True
+    p = int(differ[0])
+    with torch.no_grad():
+        logits = ref(want[:, :p]).logits[0, -1].float()
+    best = logits.max()
+    ulp = 2.0 ** (torch.floor(torch.log2(best.abs())) - 7)
+    return bool(logits[got[0, p]] >= best - 2 * ulp)
+
+
 def compare(family: str, dev, seed: int, batch: int, seq: int, gen: int) -> tuple[float, bool]:
     """(logits relative error, greedy tokens equal) of the converted model against its unconverted copy."""
     model = tiny_model(family, 0, dev)
@@ -95,7 +111,7 @@ def compare(family: str, dev, seed: int, batch: int, seq: int, gen: int) -> tupl
     with torch.no_grad():
         out, want = model(ids).logits, ref(ids).logits
     assert out.shape == want.shape and out.dtype == want.dtype == torch.bfloat16
-    return rel_err(out, want), torch.equal(greedy(model, ids[:1], gen), greedy(ref, ids[:1], gen))
+    return rel_err(out, want), greedy_agrees(model, ref, ids[:1], gen)
 
 
 # (a) world size 1: fused_moe --------------------------------------------------------------------------------
@@ -227,7 +243,7 @@ def test_model_without_moe_block_is_named():
     (dict(hidden_size=40, head_dim=16), r"model.layers.0.mlp \(Qwen3MoeSparseMoeBlock\): EpConfig.hidden_size = 40; "
                                         r"allowed: a multiple of 16"),
     (dict(moe_intermediate_size=24), r"EpConfig.intermediate_size = 24; allowed: a multiple of 16"),
-    (dict(hidden_act="gelu"), r"Qwen3MoeExperts.act_fn = 'GELUActivation'; allowed: SiLU"),
+    (dict(hidden_act="gelu"), r"Qwen3Moe(Experts|MLP).act_fn = 'GELUActivation'; allowed: SiLU"),
 ])
 def test_sizes_and_activations_moe_ep_cannot_run_are_named(overrides, match):
     model = tiny_model("qwen3_moe", **overrides)
@@ -275,7 +291,7 @@ def _rank_cases(rank: int, world: int) -> list[str]:
                 err = rel_err(model(ids).logits, ref(ids).logits)
             if not err <= LOGITS_BOUND:
                 fails.append(f"R={world} rank={rank} {family}: logits rel err {err:.4f}")
-            if not torch.equal(greedy(model, ids, 2), greedy(ref, ids, 2)):
+            if not greedy_agrees(model, ref, ids, 2):
                 fails.append(f"R={world} rank={rank} {family}: greedy tokens differ")
         except Exception:  # the ranks' collectives are out of step now: stop here
             return fails + [f"R={world} rank={rank} {family}:\n" + traceback.format_exc()]
