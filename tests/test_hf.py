@@ -18,9 +18,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import moe_ep.hf  # noqa: E402
-from moe_ep import MoEEpConfigError  # noqa: E402
-from moe_ep.hf import MoEEpBlock, convert  # noqa: E402
+import moe_ep.hf
+from moe_ep import MoEEpConfigError
+from moe_ep.hf import MoEEpBlock, convert
 
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
 VOCAB, H = 128, 64
@@ -340,6 +340,8 @@ def test_multi_rank_gloo(world):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, os.path.join(d, "store"), d), nprocs=world, join=True)
-        fails = [line for r in range(world) for line in open(os.path.join(d, f"rank{r}.txt")).read().split("\n")
-                 if line]
+        fails = []
+        for r in range(world):
+            with open(os.path.join(d, f"rank{r}.txt")) as f:
+                fails += [line for line in f.read().split("\n") if line]
     assert not fails, "\n".join(fails)

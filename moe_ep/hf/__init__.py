@@ -6,4 +6,4 @@ from .blocks import SUPPORTED
 from .convert import convert, find_blocks
 from .module import MoEEpBlock
 
-__all__ = ["convert", "find_blocks", "MoEEpBlock", "SUPPORTED"]
+__all__ = ["SUPPORTED", "MoEEpBlock", "convert", "find_blocks"]

@@ -10,8 +10,9 @@ those blocks return ``(hidden_states, router_logits)``, the others ``hidden_stat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F

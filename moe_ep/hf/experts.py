@@ -9,7 +9,7 @@ of that slice only, so no full copy of the experts survives conversion.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
