@@ -77,6 +77,22 @@ class Fp8Tensor:
             fail(f"{name} devices (data, scales)", (str(d.device), str(s.device)), "one device for both")
 
 
+@triton.jit
+def _tile(pid_m, cb, R, K, ROW_BLOCKS, PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's rows (int64, with their mask) and its 128 columns (with theirs): BLOCK_M rows of all R when
+    PER_ROW, else one 128-row block of one slice of R rows (ROW_BLOCKS blocks per slice)."""
+    cols = cb * 128 + tl.arange(0, 128)
+    if PER_ROW:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < R
+        rows = rows.to(tl.int64)
+    else:
+        local = (pid_m % ROW_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = local < R
+        rows = (pid_m // ROW_BLOCKS).to(tl.int64) * R + local
+    return rows, rmask, cols, cols < K
+
+
 @triton.jit(do_not_specialize=["R", "ROW_BLOCKS"])
 def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, R, K, stride_x, ROW_BLOCKS, COL_BLOCKS,
                          PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -84,32 +100,23 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, R, K, stride_x, ROW_BLOCKS, COL_BL
     tile, a 128-row block of one slice of R rows (ROW_BLOCKS blocks per slice)."""
     pid_m = tl.program_id(0)
     cb = tl.program_id(1)
-    cols = cb * 128 + tl.arange(0, 128)
-    cmask = cols < K
-    if PER_ROW:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < R
-    else:
-        sl = pid_m // ROW_BLOCKS
-        local = (pid_m % ROW_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = local < R
-        rows = sl.to(tl.int64) * R + local
+    rows, rmask, cols, cmask = _tile(pid_m, cb, R, K, ROW_BLOCKS, PER_ROW, BLOCK_M)
     m = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
+    offs = rows[:, None] * stride_x + cols[None, :]
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if PER_ROW:
         amax = tl.max(tl.abs(x), axis=1)
         s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         s = tl.where(s > 0, s, 1.0)
         q = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-        tl.store(s_ptr + rows.to(tl.int64) * COL_BLOCKS + cb, s, mask=rmask)
+        tl.store(s_ptr + rows * COL_BLOCKS + cb, s, mask=rmask)
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         s = tl.math.div_rn(amax, 448.0)
         s = tl.where(s > 0, s, 1.0)
         q = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * s)
         tl.store(s_ptr + pid_m.to(tl.int64) * COL_BLOCKS + cb, s)
-    q_off = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    q_off = rows[:, None] * K + cols[None, :]
     tl.store(q_ptr + q_off, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
 
 
@@ -118,20 +125,13 @@ def _dequantize_fp8_kernel(q_ptr, s_ptr, out_ptr, R, K, ROW_BLOCKS, COL_BLOCKS, 
                            BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
     cb = tl.program_id(1)
-    cols = cb * 128 + tl.arange(0, 128)
-    cmask = cols < K
+    rows, rmask, cols, cmask = _tile(pid_m, cb, R, K, ROW_BLOCKS, PER_ROW, BLOCK_M)
     if PER_ROW:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < R
-        s = tl.load(s_ptr + rows.to(tl.int64) * COL_BLOCKS + cb, mask=rmask, other=0.0)[:, None]
+        s = tl.load(s_ptr + rows * COL_BLOCKS + cb, mask=rmask, other=0.0)[:, None]
     else:
-        sl = pid_m // ROW_BLOCKS
-        local = (pid_m % ROW_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = local < R
-        rows = sl.to(tl.int64) * R + local
         s = tl.load(s_ptr + pid_m.to(tl.int64) * COL_BLOCKS + cb)
     m = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    offs = rows[:, None] * K + cols[None, :]
     q = tl.load(q_ptr + offs, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     tl.store(out_ptr + offs, (q * s).to(out_ptr.dtype.element_ty), mask=m)
 
