@@ -20,7 +20,6 @@ from .routing_checks import IDX_DTYPES, check_routing_inputs, check_routing_valu
 from .weights import FLOAT_DTYPES, ExpertWeights
 
 
-
 def _rank_world(group) -> tuple[int, int]:
     """(rank, world size) of ``group`` (None: the default group, or a single process), after checking that a
     ``group`` given is a ProcessGroup this process belongs to."""
