@@ -1,5 +1,6 @@
 """NVFP4 quantize / dequantize as Triton kernels, bit-exact with ``moe_ep.reference`` (tests compare the two;
-this module does not import it: the global scale and the swizzle are implemented here too).
+this module does not import it: the global scale is implemented here too, the tensor type and the scale swizzle in
+``nvfp4_tensor``).
 
 One program quantizes a ``BLOCK_M x BLOCK_K`` tile: per 16-element block it takes the amax, the E4M3
 scale ``e4m3_rne(min(amax / 6 * gs, 448))``, then E2M1 codes of ``x * (gs / s)``, and writes packed
@@ -18,8 +19,6 @@ dequantizing it gives NaN (the whole row). Python numbers are checked (:class:`M
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from numbers import Integral
 
 import torch
 import triton
@@ -28,115 +27,11 @@ import triton.language as tl
 from ..errors import MoEEpInputError, check, fail
 from ..triton_runtime import COMPILED, check_on_kernel_device
 from . import autotuning, host_math
-
-NVFP4_BLOCK = 16  # elements per E4M3 block scale
+# the tensor type and the swizzle are part of this module's API too (imported from here throughout)
+from .nvfp4_tensor import NVFP4_BLOCK, NvFp4Tensor, swizzle_scales, swizzled_scale_shape, unswizzle_scales  # noqa: F401
 _GLOBAL_SCALE_NUMERATOR = 448.0 * 6.0  # E4M3 max x E2M1 max: gs = 2688 / amax puts amax at the top of both
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_NAMES = "torch.bfloat16, torch.float16, torch.float32"
-
-
-def swizzled_scale_shape(rows: int, scale_cols: int) -> tuple[int, int]:
-    """Padded (rows, scale columns) of the 128x4 swizzled layout: rows to 128, columns to 4."""
-    return -(-rows // 128) * 128, -(-scale_cols // 4) * 4
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, Integral) and not isinstance(v, bool)
-
-
-@dataclass
-class NvFp4Tensor:
-    """An NVFP4-quantized tensor of logical shape ``shape = [..., K]`` (K a positive multiple of 16).
-
-    - ``data``: uint8 ``[..., K/2]``, element 2i in the low nibble, 2i+1 in the high nibble.
-    - ``scales``: float8_e4m3fn, linear ``[..., K/16]``, or, when ``swizzled``, the 128x4 layout
-      flattened per slice of ``shape[:-2]``: ``[*shape[:-2], Mp * Cp]`` (rows padded to 128, scale
-      columns to 4, padding zero).
-    - ``global_scale``: float32, one value (any shape of one element), ``[shape[0]]`` values (one per
-      slice, e.g. per expert), or one per row (``prod(shape[:-1])`` values: received tokens keep their source
-      rank's scale).
-    Value of element i: ``e2m1(q_i) * float(s_block) / global_scale``.
-
-    The parts are checked against each other (shapes, dtypes, one device) when the tensor is made, and again
-    by every launcher that takes one (:meth:`check`): a mismatch raises :class:`MoEEpInputError` naming the part.
-    Parts need not be contiguous (launchers copy those that are not).
-    """
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    global_scale: torch.Tensor
-    shape: torch.Size
-    swizzled: bool = False
-
-    def __post_init__(self):
-        if not (isinstance(self.shape, (tuple, list)) and all(_is_int(d) and d >= 0 for d in self.shape)):
-            fail("NvFp4Tensor.shape", self.shape, "a tuple or torch.Size of non-negative ints")
-        self.shape = torch.Size(self.shape)
-        self.check("NvFp4Tensor")
-
-    def check(self, name: str = "q") -> None:
-        """Raise :class:`MoEEpInputError` unless the parts agree with ``shape`` and with each other (no sync)."""
-        data, scales, gs, shape = self.data, self.scales, self.global_scale, self.shape
-        try:  # the common case in one expression: launchers call this every step
-            K = shape[-1]
-            ok = (data.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn and gs.dtype == torch.float32
-                  and isinstance(shape, torch.Size) and K > 0 and K % NVFP4_BLOCK == 0 and self.swizzled in (False, True)
-                  and data.shape[:-1] == shape[:-1] and data.shape[-1] == K // 2 and scales.shape == self._scales_shape()
-                  and data.device == scales.device == gs.device)
-            n = gs.numel()
-            ok = ok and (n == 1 or n == math.prod(shape[:-1]) or (len(shape) > 1 and n == shape[0]))
-        except (AttributeError, TypeError, IndexError):
-            ok = False
-        if not ok:
-            self._explain(name)
-
-    def _explain(self, name: str) -> None:
-        """Raise the error naming the first part that does not agree."""
-        data, scales, gs, shape = self.data, self.scales, self.global_scale, self.shape
-        for part, t, dt in (("data", data, torch.uint8), ("scales", scales, torch.float8_e4m3fn),
-                            ("global_scale", gs, torch.float32)):
-            if not isinstance(t, torch.Tensor):
-                fail(f"type({name}.{part})", type(t).__name__, f"a {dt} torch.Tensor")
-            if t.dtype != dt:
-                fail(f"{name}.{part}.dtype", t.dtype, str(dt))
-        if not isinstance(self.swizzled, bool):
-            fail(f"{name}.swizzled", self.swizzled, "True or False")
-        if not (isinstance(shape, torch.Size) and len(shape) >= 1 and shape[-1] > 0 and shape[-1] % NVFP4_BLOCK == 0):
-            fail(f"{name}.shape", tuple(shape) if isinstance(shape, tuple) else shape,
-                 "a torch.Size [..., K] with K a positive multiple of 16")
-        K = shape[-1]
-        if data.shape != (*shape[:-1], K // 2):
-            fail(f"{name}.data.shape", tuple(data.shape), f"{(*shape[:-1], K // 2)} (shape[:-1] + [K/2])")
-        if scales.shape != self._scales_shape():
-            fail(f"{name}.scales.shape", tuple(scales.shape), f"{tuple(self._scales_shape())} (the "
-                 + ("128x4 swizzled layout [*shape[:-2], Mp*Cp]" if self.swizzled else "linear layout [..., K/16]")
-                 + f" for shape {tuple(shape)}, swizzled={self.swizzled})")
-        rows = math.prod(shape[:-1])
-        n = gs.numel()
-        if not (n == 1 or n == rows or (len(shape) > 1 and n == shape[0])):
-            fail(f"{name}.global_scale.numel()", n, f"1, {shape[0]} (one per {name}[i]) or {rows} (one per row)"
-                 if len(shape) > 1 else "1")
-        fail(f"{name} devices (data, scales, global_scale)", (str(data.device), str(scales.device), str(gs.device)),
-             "one device for all parts")
-
-    def _scales_shape(self) -> tuple:
-        shape, kc = self.shape, self.shape[-1] // NVFP4_BLOCK
-        if not self.swizzled:
-            return (*shape[:-1], kc)
-        mp, cp = swizzled_scale_shape(shape[-2] if len(shape) >= 2 else 1, kc)
-        return (*shape[:-2], mp * cp)
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    def linear_scales(self) -> torch.Tensor:
-        """The scales in the linear layout ``[..., K/16]`` (a copy when swizzled)."""
-        if not self.swizzled:
-            return self.scales
-        rows = self.shape[-2] if len(self.shape) >= 2 else 1
-        lin = unswizzle_scales(self.scales, rows, self.shape[-1] // NVFP4_BLOCK)
-        return lin.reshape(*self.shape[:-1], self.shape[-1] // NVFP4_BLOCK)
 
 
 @triton.jit
@@ -601,45 +496,3 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
                           out, R, K, rows_per_gs, max(slice_rows, 1), slice_cp, autotuning.size_bucket(K),
                           SWIZZLE=q.swizzled)
     return out
-
-
-def _swizzle_offsets(rows: int, scale_cols: int, device) -> torch.Tensor:
-    """int64 ``[rows * scale_cols]``: where linear scale (m, c) lands in a 128x4-swizzled slice (``swizzled_offset``)."""
-    cp = swizzled_scale_shape(rows, scale_cols)[1]
-    m = torch.arange(rows, device=device)[:, None]
-    c = torch.arange(scale_cols, device=device)[None, :]
-    return (((m // 128) * (cp // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4).reshape(-1)
-
-
-def _check_scales_tensor(t, name: str) -> None:
-    check(isinstance(t, torch.Tensor), f"type({name})", type(t).__name__, "a float8_e4m3fn torch.Tensor")
-    check(t.dtype == torch.float8_e4m3fn, f"{name}.dtype", t.dtype, "torch.float8_e4m3fn")
-    check(t.device.type != "meta", f"{name}.device", str(t.device), "a device holding data (not meta)")
-
-
-def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Linear scales float8_e4m3fn ``[..., M, C]`` (C = K/16) -> the 128x4 swizzled layout, flat ``[..., Mp * Cp]``
-    (rows padded to 128, columns to 4, padding zero): scale (m, c) at
-    ``((m // 128) * (Cp // 4) + c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4``, the layout
-    CUTLASS and ``tl.dot_scaled`` read. Each slice of the leading dims is swizzled on its own."""
-    _check_scales_tensor(scales, "scales")
-    check(scales.dim() >= 2, "scales.dim()", scales.dim(), ">= 2 ([..., M, K/16]; a 1-D tensor is already flat)")
-    *lead, m, c = scales.shape
-    mp, cp = swizzled_scale_shape(m, c)
-    out = torch.zeros(*lead, mp * cp, dtype=torch.uint8, device=scales.device)
-    out.index_copy_(-1, _swizzle_offsets(m, c, scales.device), scales.contiguous().view(torch.uint8).reshape(*lead, m * c))
-    return out.view(torch.float8_e4m3fn)
-
-
-def unswizzle_scales(buf: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle_scales`: float8_e4m3fn ``[..., Mp * Cp]`` -> linear ``[..., rows, scale_cols]``
-    (``rows`` > 0, ``scale_cols`` > 0 the unpadded sizes; ``buf.shape[-1]`` must be their padded product)."""
-    _check_scales_tensor(buf, "buf")
-    check(buf.dim() >= 1, "buf.dim()", buf.dim(), ">= 1 ([..., Mp * Cp])")
-    check(_is_int(rows) and rows > 0, "rows", rows, "a positive int")
-    check(_is_int(scale_cols) and scale_cols > 0, "scale_cols", scale_cols, "a positive int")
-    mp, cp = swizzled_scale_shape(rows, scale_cols)
-    check(buf.shape[-1] == mp * cp, "buf.shape[-1]", buf.shape[-1],
-          f"{mp * cp} (rows {rows} padded to {mp} x scale_cols {scale_cols} padded to {cp})")
-    lin = buf.contiguous().view(torch.uint8).index_select(-1, _swizzle_offsets(rows, scale_cols, buf.device))
-    return lin.reshape(*buf.shape[:-1], rows, scale_cols).view(torch.float8_e4m3fn)
