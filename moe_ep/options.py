@@ -14,6 +14,10 @@ variable                    field                 values
 ``MOE_EP_CONFIG_DIR``       ``config_dir``        a folder searched for tuned configs first (``None``: unset)
 ==========================  ====================  ===================================================================
 
+One field comes from the environment without a ``MOE_EP_`` variable of its own: ``user_config_dir``, the user's
+folder of tuned configs, ``$XDG_CONFIG_HOME/moe-ep/configs`` (``~/.config/moe-ep/configs`` when unset), read at the
+same time as the others.
+
 The rule: whitespace is stripped and case ignored; an unset or empty variable takes the default; booleans accept
 ``1/0/on/off/true/false/yes/no``; anything else raises :class:`~moe_ep.errors.MoEEpConfigError` naming the variable,
 its value and what is allowed.
@@ -51,6 +55,7 @@ class Options:
     decoded_min_m: int | None = DEFAULT_DECODED_MIN_M
     gemm_chain: bool = True
     config_dir: str | None = None
+    user_config_dir: str | None = None  # set by parse(); not overridable (it is no MOE_EP_ option)
 
 
 ENV = {"autotune": "MOE_EP_AUTOTUNE", "autotune_quick": "MOE_EP_AUTOTUNE_QUICK",
@@ -109,7 +114,8 @@ def parse(env=None) -> Options:
         values[field] = _PARSE[field](var, raw)
     if "autotune" not in values:
         values["autotune"] = autotune_default()
-    return Options(**values)
+    config_home = (env.get("XDG_CONFIG_HOME") or "").strip() or os.path.join(os.path.expanduser("~"), ".config")
+    return Options(**values, user_config_dir=os.path.join(config_home, "moe-ep", "configs"))
 
 
 def autotune_default() -> bool:

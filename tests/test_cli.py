@@ -252,10 +252,19 @@ def test_tune_times_what_launches_and_never_raises_for_a_tma_config_at_decode(tm
 
 
 def test_tune_writes_to_the_user_folder_the_kernels_search_not_the_package(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    options.reload()  # the environment is read with the options
+    try:
+        _tune_into_the_user_folder(tmp_path, capsys)
+    finally:
+        monkeypatch.undo()
+        options.reload()
+
+
+def _tune_into_the_user_folder(tmp_path, capsys):
     from moe_ep import device_facts
     from moe_ep.kernels import plan_grouped_gemm
     from moe_ep.kernels.grouped_gemm import tuned_files
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     shipped = {f: os.stat(os.path.join(tuned_files.SHIPPED_DIR, f)).st_mtime
                for f in os.listdir(tuned_files.SHIPPED_DIR)}
     with options.override(config_dir=None):

@@ -68,9 +68,9 @@ def validate(cfg, where: str, swiglu: bool = False, w_fp4: bool = False, smem_li
 
 def user_config_dir() -> str:
     """The user's folder of tuned configs, where ``moe-ep tune`` writes by default: ``$XDG_CONFIG_HOME/moe-ep/configs``,
-    else ``~/.config/moe-ep/configs`` (outside the package, so an install's shipped files stay as shipped)."""
-    return os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"),
-                        "moe-ep", "configs")
+    else ``~/.config/moe-ep/configs`` (outside the package, so an install's shipped files stay as shipped); read
+    with the options (``options.current().user_config_dir``), not on every lookup."""
+    return options.current().user_config_dir
 
 
 def config_dirs() -> list[str]:
