@@ -66,24 +66,29 @@ def assert_same(a: torch.Tensor, b: torch.Tensor):
                        b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
 
 
-def test_loads_bit_exact_what_expert_weights_quantizes():
+def dense_cpu(projs: dict, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense() of the loaded weights, dequantized by the kernel where the kernels run, back on the CPU."""
+    return tuple(t.cpu() for t in ExpertWeights.from_nvfp4(**projs, device=dev).dense())
+
+
+def test_loads_bit_exact_what_expert_weights_quantizes(dev):
     """Weights whose amax makes every global scale a power of two (so 1 / (1 / gs) == gs): the loaded parts are
     exactly what ExpertWeights(w13, w2, 'nvfp4') computes from the full-precision weights."""
     w13, w2 = rand(L, 2 * I, H, seed=3).clamp(-2, 2), rand(L, H, I, seed=4).clamp(-2, 2)
     w13[:, 5, 7], w2[:, 2, 1] = 2.625, -2.625  # amax 2.625: gs = 2688 / 2.625 = 1024 for every expert
     s2 = torch.full((L,), 2.0 ** -10)
     gate, up, down = projection(w13[:, :I], s2), projection(w13[:, I:], s2), projection(w2, s2)
-    got = ExpertWeights.from_nvfp4(gate, up, down)
-    want = ExpertWeights(w13, w2, "nvfp4")
+    got = ExpertWeights.from_nvfp4(gate, up, down, device=dev)
+    want = ExpertWeights(w13.to(dev), w2.to(dev), "nvfp4")  # quantized where the kernels run
     for g, w in ((got.w13, want.w13), (got.w2, want.w2)):
         assert g.shape == w.shape and not g.swizzled
         for part in ("data", "scales", "global_scale"):
-            assert_same(getattr(g, part), getattr(w, part))
+            assert_same(getattr(g, part).cpu(), getattr(w, part).cpu())
     assert (got.format, got.num_local_experts, got.hidden_size, got.intermediate_size) == (Format.NVFP4, L, H, I)
     assert got.activation_global_scale is None and want.activation_global_scale is None
 
 
-def test_parts_are_the_checkpoints_and_dense_is_the_reference():
+def test_parts_are_the_checkpoints_and_dense_is_the_reference(dev):
     """Any weight_scale_2: codes and block scales are the checkpoint's (gate rows, then up rows), the global scale is
     1 / weight_scale_2 in fp32, dense() is the reference's dequantization exactly and the checkpoint's own
     e2m1 * s * weight_scale_2 to within the rounding of 1 / weight_scale_2."""
@@ -96,7 +101,7 @@ def test_parts_are_the_checkpoints_and_dense_is_the_reference():
     assert_same(w.w2.data, d.weight)
     assert_same(w.w2.scales, d.weight_scale)
     assert_same(w.w2.global_scale, 1 / d.weight_scale_2)
-    dense13, dense2 = w.dense()
+    dense13, dense2 = dense_cpu(projs, dev)
     assert_same(dense13, dequantize_nvfp4_ref(w.w13.data, w.w13.scales, 1 / g.weight_scale_2))
     assert_same(dense2, dequantize_nvfp4_ref(d.weight, d.weight_scale, 1 / d.weight_scale_2))
     mo13 = torch.cat([modelopt_value(g), modelopt_value(u)], dim=1)
@@ -113,7 +118,7 @@ def test_activation_global_scale_is_the_conservative_one():
 
 
 @pytest.mark.parametrize("k", [1, -2])
-def test_gate_and_up_a_power_of_two_apart_are_joined_exactly(k):
+def test_gate_and_up_a_power_of_two_apart_are_joined_exactly(dev, k):
     """up's weight_scale_2 = gate's * 2**k: one side's block scales are shifted, and every value stays the one the
     checkpoint gives (compared with each projection dequantized on its own, bit for bit)."""
     projs, w13, _ = checkpoint(seed=5)
@@ -121,14 +126,14 @@ def test_gate_and_up_a_power_of_two_apart_are_joined_exactly(k):
     up_s2 = s2 * 2.0 ** k
     projs["up"] = projection(w13[:, I:] * 2.0 ** k, up_s2)
     w = ExpertWeights.from_nvfp4(**projs)
-    dense13 = w.dense()[0]
+    dense13 = dense_cpu(projs, dev)[0]
     g, u = projs["gate"], projs["up"]
     assert_same(dense13[:, :I], dequantize_nvfp4_ref(g.weight, g.weight_scale, 1 / s2))
     assert_same(dense13[:, I:], dequantize_nvfp4_ref(u.weight, u.weight_scale, 1 / up_s2))
     assert_same(w.w13.data, torch.cat([g.weight, u.weight], dim=1))
 
 
-def test_shifting_the_other_side_when_one_would_overflow():
+def test_shifting_the_other_side_when_one_would_overflow(dev):
     """up's weight_scale_2 is twice gate's and its block scales reach 448, so raising them to gate's scale_2 would
     overflow: gate's are halved instead, and w13 takes up's scale_2."""
     projs, w13, _ = checkpoint(seed=6)
@@ -138,7 +143,7 @@ def test_shifting_the_other_side_when_one_would_overflow():
     assert (projs["up"].weight_scale.float() == 448).flatten(1).any(dim=1).all()
     w = ExpertWeights.from_nvfp4(**projs)
     assert_same(w.w13.global_scale, 1 / (s2 * 2))
-    dense13 = w.dense()[0]
+    dense13 = dense_cpu(projs, dev)[0]
     g, u = projs["gate"], projs["up"]
     assert_same(dense13[:, :I], dequantize_nvfp4_ref(g.weight, g.weight_scale, 1 / s2))
     assert_same(dense13[:, I:], dequantize_nvfp4_ref(u.weight, u.weight_scale, 1 / (s2 * 2)))
