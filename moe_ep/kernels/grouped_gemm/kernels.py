@@ -330,8 +330,8 @@ def _grouped_gemm_kernel(
         XGS_STRIDE,  # 0: one global scale for x; 1: one per row (tokens keep their source rank's scale)
         w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]; FP8: e4m3
         # bytes [G, NW, K] + fp32 scales [G, NW / 128 blocks (gate's, then up's), ceil(K / 128)]
-        out_ptr, os_ptr, rs_ptr,  # out [rows, N] (bf16, fp32; FP8_OUT: e4m3 bytes + fp32 scales [rows, N / 128 blocks]);
-        # row scale fp32 [rows]
+        out_ptr, os_ptr, rs_ptr,  # out [rows, N] (bf16, fp32; FP8_OUT: e4m3 bytes + fp32 scales [rows, N / 128
+        # blocks]); row scale fp32 [rows]
         cnt_ptr,  # masked: counts [G]; ragged: offsets [G+1]
         x_desc, w_desc,  # TMA descriptors of bf16 x [rows, K] and w [G * NW, K] (None where TMA is not possible)
         ready_ptr, WAIT_BM, WAIT_NT,  # GEMM1 -> GEMM2 chain (chain.py): tiles done per expert; GEMM1's tiling
@@ -351,13 +351,13 @@ def _grouped_gemm_kernel(
     if TMA:
         tl.static_assert(not (SIGNAL or WAIT), "the GEMM chain is for decode shapes, which have no TMA tiles")
         tl.static_assert(not FP8, "FP8 tiles come by pointer loads")
-        _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGGED,
-                   SWIGLU, HAS_RS, X_DECODED, W_DECODED, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S,
+                   RAGGED, SWIGLU, HAS_RS, X_DECODED, W_DECODED, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _pointer_tiles(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr,
                        ready_ptr, WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, W_FP4, X_DECODED, W_DECODED,
-                       FP8, FP8_OUT, SWIGLU, HAS_RS, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K, SIGNAL, WAIT,
-                       PERSISTENT)
+                       FP8, FP8_OUT, SWIGLU, HAS_RS, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K,
+                       SIGNAL, WAIT, PERSISTENT)
     finish_dependent(PDL, WAIT)
 
 

@@ -90,8 +90,8 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
     ``swiglu`` (bool): w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
     ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
     per row of x (``[G, M_max]`` / ``[S]``), applied to the output row (the routing weight).
-    ``out``: optional bf16 (or, for tests of the fp32 epilogue, float32) contiguous output to write into. ``m_hint``: expected tokens per expert (a positive
-    int), to pick the tuned config (default: M_max when masked, ceil(S / G) when ragged).
+    ``out``: optional bf16 (or, for tests of the fp32 epilogue, float32) contiguous output to write into.
+    ``m_hint``: expected tokens per expert (a positive int), to pick the tuned config (default: M_max when masked, ceil(S / G) when ragged).
     ``config``: a tile config to launch instead of choosing one (``moe-ep tune``; the tuned-file schema).
     ``return_plan``: return ``(out, plan)``, the :class:`GemmPlan` of what was launched (an autotuned config
     included). Bad arguments raise MoEEpInputError, a bad config MoEEpConfigError.
