@@ -140,11 +140,13 @@ def _store_fp8_rows(acc, out_ptr, os_ptr, xrow, rn, rmask, nmask, N, SWAP_AB: tl
                     BLOCK_N: tl.constexpr):
     """Store the tile quantized to FP8 per row per 128 columns, by ``quantize_fp8``'s rule (s = amax / 448, 1.0 for
     an all-zero block, codes e4m3_rne(v / s) saturating, both divisions IEEE): codes ``[rows, N]`` as bytes, scales
-    fp32 ``[rows, ceil(N / 128)]``. The tile's columns past N hold copies of the last one: zeroed before the amax."""
+    fp32 ``[rows, ceil(N / 128)]``. The tile's columns past N hold copies of column N - 1 (its weight rows are
+    clamped), which lies in the same 128-block: they leave its amax as it is, and blocks wholly past N are not
+    stored."""
     if SWAP_AB:
         acc = tl.trans(acc)
     NB: tl.constexpr = BLOCK_N // 128
-    v = tl.reshape(tl.where(nmask[None, :], acc, 0.0), [BLOCK_M, NB, 128])
+    v = tl.reshape(acc, [BLOCK_M, NB, 128])
     amax = tl.max(tl.abs(v), axis=2)
     s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     s = tl.where(s > 0, s, 1.0)
@@ -152,7 +154,7 @@ def _store_fp8_rows(acc, out_ptr, os_ptr, xrow, rn, rmask, nmask, N, SWAP_AB: tl
     tl.store(out_ptr + xrow[:, None] * N + rn[None, :], q.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
              mask=rmask[:, None] & nmask[None, :])
     n_blocks = tl.cdiv(N, 128)
-    cb = rn.reshape([NB, 128]).max(axis=1) // 128  # the tile's block columns (rn is ascending)
+    cb = tl.min(rn, axis=0) // 128 + tl.arange(0, NB)  # the tile's block columns
     tl.store(os_ptr + xrow[:, None] * n_blocks + cb[None, :], s, mask=rmask[:, None] & (cb < n_blocks)[None, :])
 
 
