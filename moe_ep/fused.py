@@ -35,7 +35,7 @@ def fused_moe(hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights:
     try:
         fmt = Format(activation_format)
     except (ValueError, TypeError):
-        fail("activation_format", activation_format, "'bf16', 'nvfp4'")
+        fail("activation_format", activation_format, "'bf16', 'nvfp4', 'fp8' (with FP8 weights)")
     nvfp4 = fmt is Format.NVFP4
     fp8 = weights.format is Format.FP8
     if fp8 and fmt is Format.NVFP4 or not fp8 and fmt is Format.FP8:

@@ -21,8 +21,15 @@ from moe_ep.kernels.bridge import permute_rows, route_experts
 from moe_ep.kernels.fp8 import Fp8Tensor, dequantize_fp8, quantize_fp8
 from moe_ep.kernels.grouped_gemm import config_space
 from moe_ep.kernels.grouped_gemm import plan as gemm_plan
-from moe_ep.reference import (dequantize_fp8_ref, expert_mlp_fp8_ref, expert_mlp_ref, grouped_gemm_ref,
-                              moe_reference, quantize_fp8_ref, swiglu_fp8_ref)
+from moe_ep.reference import (
+    dequantize_fp8_ref,
+    expert_mlp_fp8_ref,
+    expert_mlp_ref,
+    grouped_gemm_ref,
+    moe_reference,
+    quantize_fp8_ref,
+    swiglu_fp8_ref,
+)
 from moe_ep.testing.properties import assert_bits_equal, assert_rel_close
 from moe_ep.testing.strategies import Bounds, fp8_gemm_cases, fp8_operand, make_gemm_operands
 from moe_ep.triton_runtime import device as kernel_device
@@ -261,7 +268,7 @@ def test_expert_weights_fp8_and_from_fp8_blocks_round_trip(dev, H, I):
     rq, rs = quantize_fp8_ref(w13, 128, gate_up=True)
     assert_bits_equal(ew.w13.scales, rs, "w13 scales")
     assert_bits_equal(ew.w13.data.view(torch.uint8), rq.view(torch.uint8), "w13 codes")
-    d13, d2 = ew.dense()
+    d13, _ = ew.dense()
     assert_bits_equal(d13, dequantize_fp8_ref(rq, rs, 128, True), "w13 dequantized")
     gate, up, down = (quantize_fp8(t, 128) for t in (w13[:, :I], w13[:, I:], w2))
     pair = ExpertWeights.from_fp8_blocks((gate.data, up.data), down.data, (gate.scales, up.scales), down.scales)

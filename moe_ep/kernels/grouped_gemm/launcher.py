@@ -321,7 +321,7 @@ def _check_fp8(x: Fp8Tensor, w: Fp8Tensor, swiglu: bool) -> None:
         fail("x.block_rows", x.block_rows, "1 (FP8 activations: one scale per row per 128 columns)")
     if w.block_rows != FP8_BLOCK:
         fail("w.block_rows", w.block_rows, f"{FP8_BLOCK} (FP8 weights: one scale per 128x128 block)")
-    G, NW, K = w.shape
+    NW = w.shape[1]
     if swiglu:  # gate's row blocks then up's (Fp8Tensor.gate_up; the plain layout where I % 128 == 0)
         want = fp8_scales_shape(w.shape, FP8_BLOCK, gate_up=True)
         if tuple(w.scales.shape) != want:

@@ -28,7 +28,8 @@ class GemmPlan:
       S: rows of x, ``G * M_max`` when masked); ``m_bucket``: the tokens-per-expert bucket configs are keyed on.
     - ``x_format``, ``w_format``: "bf16", "nvfp4" or "fp8" (FP8 goes with FP8 only); ``x_decoded``, ``w_decoded``:
       whether that NVFP4 operand is decoded to a transient bf16 copy before the GEMM (``decoded`` is the pair);
-      ``out_format``: "bf16", or "fp8" where the epilogue quantizes (GEMM1 of an FP8 expert MLP).
+      ``out_format``: "fp8" where the epilogue quantizes (GEMM1 of an FP8 expert MLP), else "bf16" (the output
+      tensor's dtype, bf16 or, for tests, fp32).
     - ``swiglu``, ``row_scale``: the epilogues.
     - ``config``: the tile config launched (``BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, TMA, num_warps,
       num_stages``), None before an autotuned launch and when nothing is launched; ``config_source``: "tuned-file"
