@@ -21,22 +21,12 @@ from moe_ep.kernels.bridge import permute_rows, route_experts
 from moe_ep.kernels.fp8 import Fp8Tensor, dequantize_fp8, quantize_fp8
 from moe_ep.kernels.grouped_gemm import config_space
 from moe_ep.kernels.grouped_gemm import plan as gemm_plan
-from moe_ep.reference import (
-    dequantize_fp8_ref,
-    expert_mlp_fp8_ref,
-    expert_mlp_ref,
-    grouped_gemm_ref,
-    moe_reference,
-    quantize_fp8_ref,
-    swiglu_fp8_ref,
-)
-from moe_ep.testing.properties import assert_bits_equal, assert_rel_close
-from moe_ep.testing.strategies import Bounds, fp8_gemm_cases, fp8_operand, make_gemm_operands
+from moe_ep.reference import dequantize_fp8_ref, grouped_gemm_ref, moe_reference, quantize_fp8_ref, swiglu_fp8_ref
+from moe_ep.testing import properties as P
+from moe_ep.testing.properties import FP8_DENSE_TOL, assert_bits_equal, assert_rel_close
+from moe_ep.testing.strategies import Bounds, fp8_gemm_cases, fp8_operand
 from moe_ep.triton_runtime import device as kernel_device
 
-GEMM_TOL = 1e-2  # against the dequantized operands: fp32 sums, bf16 output
-MLP_TOL = 2e-2  # the FP8 MLP against its FP8 reference: also an intermediate code may round the other way
-FP8_MLP_TOL = 0.12  # against unquantized operands: x, weights and intermediate each rounded to e4m3 once
 FP8_BOUNDS = Bounds(rows=9, k16=10, n16=10, experts=4, top_k=1)  # K, N up to 160: short last scale blocks
 MLP_BOUNDS = Bounds(rows=6, k16=10, n16=9, experts=3, top_k=1)
 _ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -74,19 +64,7 @@ def _poison_fp8(monkeypatch):
 def test_fp8_grouped_gemm_matches_reference(dev, c):
     """FP8 x FP8, masked and ragged, SwiGLU or a row scale, empty experts, K and N not multiples of 128 (nor of the
     tiles), the configs an FP8 call may take; rows outside the experts' counts never written (poisoned output)."""
-    gen = torch.Generator().manual_seed(c["seed"])
-    G, K, N = c["G"], c["K"], c["N"]
-    x, idx, valid, rows = make_gemm_operands(c, dev)
-    xq, xr = fp8_operand(x, 1)
-    wq, wr = fp8_operand(_values((G, 2 * N if c["swiglu"] else N, K), 0.5, gen, dev), 128, gate_up=c["swiglu"])
-    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
-    out = torch.full((*rows, N), float("nan"), dtype=torch.bfloat16, device=dev)
-    got, plan = grouped_gemm(xq, wq, **idx, swiglu=c["swiglu"], row_scale=rs, out=out, m_hint=c["m_hint"],
-                             config=c["config"], return_plan=True)
-    assert got is out and (plan.x_format, plan.w_format, plan.out_format) == ("fp8", "fp8", "bf16")
-    ref = grouped_gemm_ref(xr, wr, **idx, swiglu=c["swiglu"], row_scale=rs)
-    assert_rel_close(out, ref, valid, GEMM_TOL, "FP8 grouped GEMM")
-    assert torch.isnan(out[~valid].float()).all(), "rows outside the experts' counts were written"
+    P.check_fp8_grouped_gemm(c, dev)
 
 
 @pytest.mark.parametrize("layout", ["masked", "ragged"])
@@ -133,32 +111,39 @@ def test_fused_fp8_epilogue_is_quantize_fp8_of_the_fp32_swiglu(dev, monkeypatch,
 @_ok
 @given(fp8_gemm_cases(MLP_BOUNDS, mlp=True))
 def test_fp8_expert_mlp_matches_reference(dev, c):
-    """The FP8 expert MLP (x quantized per token here when bf16; GEMM1's FP8 output into GEMM2) against its FP8
-    reference on the dequantized weights, and against the dense one on the unquantized operands."""
-    gen = torch.Generator().manual_seed(c["seed"])
-    G, H, I = c["G"], c["K"], c["N"]
-    x, idx, valid, rows = make_gemm_operands(c, dev)
-    w13, w2 = _values((G, 2 * I, H), 0.3, gen, dev), _values((G, H, I), 0.3, gen, dev)
-    q13, r13 = fp8_operand(w13, 128, gate_up=True)
-    q2, r2 = fp8_operand(w2, 128)
-    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
-    out = torch.full((*rows, H), float("nan"), dtype=torch.bfloat16, device=dev)
-    xk = x if c["seed"] % 2 else quantize_fp8(x, 1)  # bf16 x (quantized inside) or already FP8: the same
-    _, (p1, p2) = expert_mlp(xk, q13, q2, **idx, row_scale=rs, out=out, m_hint=c["m_hint"], return_plan=True)
-    if x.numel():
-        assert (p1.out_format, p2.x_format, p1.chain) == ("fp8", "fp8", "none")
-        assert p1.config["BLOCK_N"] % 128 == 0
-    xr = dequantize_fp8_ref(*quantize_fp8_ref(x, 1), 1)
-    assert_rel_close(out, expert_mlp_fp8_ref(xr, r13, r2, **idx, row_scale=rs), valid, MLP_TOL, "FP8 MLP")
-    assert_rel_close(out, expert_mlp_ref(x, w13, w2, **idx, row_scale=rs), valid, FP8_MLP_TOL, "FP8 MLP (dense)")
-    assert torch.isnan(out[~valid].float()).all(), "rows outside the experts' counts were written"
+    """The FP8 expert MLP (bf16 x quantized per token inside; GEMM1's FP8 output into GEMM2) against its FP8 reference
+    on the dequantized weights, and against the dense one on the unquantized operands."""
+    P.check_fp8_expert_mlp(c, dev)
+
+
+@pytest.mark.parametrize("layout", ["masked", "ragged"])
+def test_fp8_x_given_or_quantized_inside_is_the_same(dev, layout):
+    """x already FP8 (per token) and bf16 x quantized inside the MLP give the same bits; the plans say FP8 through
+    (GEMM1's output FP8, whole 128-column blocks; no chain)."""
+    gen = torch.Generator().manual_seed(4)
+    G, M, H, I = 3, 6, 144, 160
+    x = _values((G, M, H), 1.0, gen, dev)
+    q13, _ = fp8_operand(_values((G, 2 * I, H), 0.3, gen, dev), 128, gate_up=True)
+    q2, _ = fp8_operand(_values((G, H, I), 0.3, gen, dev), 128)
+    counts = torch.tensor([4, 0, 6], device=dev)
+    if layout == "masked":
+        idx, xl = dict(counts=counts), x
+        valid = torch.arange(M, device=dev)[None, :] < counts[:, None]
+    else:
+        idx, xl, valid = dict(offsets=torch.tensor([0, 4, 4, 10], device=dev)), x.reshape(-1, H)[:10], slice(None)
+    a, (p1, p2) = expert_mlp(xl, q13, q2, **idx, return_plan=True)
+    b = expert_mlp(quantize_fp8(xl, 1), q13, q2, **idx)
+    assert torch.equal(a[valid], b[valid])
+    assert (p1.x_format, p1.out_format, p2.x_format, p1.chain, p2.chain) == ("fp8", "fp8", "fp8", "none", "none")
+    assert p1.config["BLOCK_N"] % 128 == 0
 
 
 def test_fp8_takes_its_own_configs_and_keys():
     """FP8 shape classes have tuned-file keys of their own and prune to configs that obey the FP8 rules (K steps in
     one scale block, whole 128-column blocks for the FP8 output); the FP8-only configs stay out of the bf16 classes,
     whose first configs do not change."""
-    assert config_space.shape_class(2048, 7168, False, True, fp8=True, fp8_out=True) == "n2048_k7168_xfp8_wfp8_swiglu_outfp8"
+    fp8_key = config_space.shape_class(2048, 7168, False, True, fp8=True, fp8_out=True)
+    assert fp8_key == "n2048_k7168_xfp8_wfp8_swiglu_outfp8"
     assert config_space.shape_class(2048, 7168, False, True) == "n2048_k7168_xbf16_wbf16_swiglu"
     space = config_space.grouped_gemm_configs()
     only = {config_space._config_key(c) for c in config_space.fp8_only_configs()}
@@ -363,7 +348,7 @@ def test_fused_moe_with_fp8_weights(dev):
     out = fused_moe(x.to(dev), idx.to(dev), wts.to(dev), weights)
     d13, d2 = weights.dense()
     assert_rel_close(out, moe_reference(x, idx, wts, d13.cpu(), d2.cpu()), torch.ones(6, dtype=torch.bool),
-                     FP8_MLP_TOL, "fused_moe FP8")
+                     FP8_DENSE_TOL, "fused_moe FP8")
     assert torch.equal(out, fused_moe(x.to(dev), idx.to(dev), wts.to(dev), weights, activation_format="fp8"))
     with pytest.raises(MoEEpInputError, match="activation_format = 'nvfp4'"):
         fused_moe(x.to(dev), idx.to(dev), wts.to(dev), weights, activation_format="nvfp4")
@@ -414,6 +399,6 @@ def test_layer_with_fp8_weights(dev, alg, lay):
     out = MoEEpLayer(cfg, weights)(x.to(dev), idx.to(dev), wts.to(dev))
     d13, d2 = weights.dense()
     assert_rel_close(out, moe_reference(x, idx, wts, d13.cpu(), d2.cpu()), torch.ones(6, dtype=torch.bool),
-                     FP8_MLP_TOL, f"layer {alg} {lay} FP8")
+                     FP8_DENSE_TOL, f"layer {alg} {lay} FP8")
     if (alg, lay) == ("ht", "flat"):
         assert torch.equal(out, fused_moe(x.to(dev), idx.to(dev), wts.to(dev), weights))
