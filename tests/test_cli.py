@@ -41,20 +41,21 @@ def test_info_process_exit_code_and_json(tmp_path):
 
 
 def test_bench_small_preset_writes_json_and_png(tmp_path, capsys):
-    rc = main(["bench", "--preset", "small", "--tokens", "2", "--kernels", "mlp,quant,bridge,layer",
+    rc = main(["bench", "--preset", "small", "--tokens", "2", "--kernels", "mlp,mlp-fp8,quant,bridge,layer",
                "--layouts", "ll-expert_major", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["world_size"] == 1 and res["presets"][0]["name"] == "small"
-    assert res["ceilings"] == {"bandwidth": 4.8e12, "peak_flops": 795e12}
+    assert res["ceilings"] == {"bandwidth": 4.8e12, "peak_flops": 795e12, "peak_flops_fp8": 1979e12}
     kernels = {r["kernel"] for r in res["rows"]}
-    assert kernels == {"mlp", "quant", "bridge", "layer[ll-expert_major]"}
+    assert kernels == {"mlp", "mlp-fp8", "quant", "bridge", "layer[ll-expert_major]"}
     for r in res["rows"]:
         assert r["tokens"] == 2 and r["ours_us"] > 0 and r["peer_us"] > 0 and r["peer"]
         assert r["floor_us"] > 0 and 0 < r["pct_floor"] and r["peer_pct_floor"] > 0
     rows = {r["kernel"]: r for r in res["rows"]}
     assert rows["quant"]["diff"] == 0.0  # bit-exact against the reference
     assert rows["mlp"]["diff"] < 2e-2 and rows["layer[ll-expert_major]"]["diff"] < 2e-2
+    assert rows["mlp-fp8"]["diff"] < 0.12  # W8A8 against the bf16 peer: x, weights, intermediate rounded to e4m3
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
     assert "% floor" in capsys.readouterr().out
 
