@@ -121,6 +121,27 @@ def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch,
         assert json.loads(path.read_text())[key]["64"] == config_dict(other)
 
 
+def test_tune_fp8_writes_fp8_keys_the_fp8_gemms_load(tmp_path):
+    """``--formats fp8``: both GEMMs tuned under FP8 keys of their own (GEMM1 with its FP8 output), and an FP8 call of
+    that shape takes the written config; the bf16 keys are not written."""
+    from moe_ep import device_facts, options
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.fp8 import quantize_fp8
+    from moe_ep.kernels.grouped_gemm.config_space import shape_class
+    with options.override(config_dir=str(tmp_path)):
+        assert main(["tune", *TINY, "--gemms", "gemm1,gemm2", "--formats", "fp8", "--buckets", "8"]) == 0
+        table = json.loads((tmp_path / f"{device_facts.device_name()}.json").read_text())
+        assert set(table) == {shape_class(32, 64, False, True, True, True), shape_class(64, 32, False, False, True)}
+        cfg = table[shape_class(32, 64, False, True, True, True)]["8"]
+        assert cfg["BLOCK_N"] % 128 == 0
+        dev = device()
+        x = quantize_fp8(torch.randn(16, 64, device=dev).bfloat16(), 1)
+        w = quantize_fp8(torch.randn(2, 64, 64, device=dev).bfloat16(), 128, gate_up=True)
+        plan = plan_grouped_gemm(x, w, offsets=torch.tensor([0, 8, 16], device=dev), swiglu=True, m_hint=8,
+                                 quantize_out=True)
+        assert plan.config_source == "tuned-file" and plan.config == cfg
+
+
 def test_routed_offsets_spread_rows_around_the_mean():
     from moe_ep.commands.common import routed_offsets
     offs = routed_offsets(32, 16, torch.device("cpu"))
