@@ -40,6 +40,7 @@ class _Call:
     wshape: tuple
     w_fp4: bool
     fp8: bool  # x and w both FP8 (xs, ws: their fp32 scales)
+    quantize_out: bool  # the epilogue writes FP8 (out is an Fp8Tensor)
     idx: torch.Tensor
     ragged: bool
     swiglu: bool
@@ -170,7 +171,7 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
 def _plan(call: _Call, link: Link | None, config: dict | None) -> GemmPlan:
     chain = "none" if link is None else ("counts" if link.wait is None else "waits")
     return plans.decide(ragged=call.ragged, x_fp4=call.x_fp4, w_fp4=call.w_fp4, fp8=call.fp8,
-                        fp8_out=isinstance(call.out, Fp8Tensor), swiglu=call.swiglu,
+                        fp8_out=call.quantize_out, swiglu=call.swiglu,
                         row_scale=call.row_scale is not None, G=call.G, N=call.N, K=call.K, M_max=call.M_max,
                         S=call.S, m=call.m, chain=chain, pdl=link is not None and link.pdl, config=config)
 
@@ -190,7 +191,7 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
         wd = wd if wd.data_ptr() % 16 == 0 else wd.clone()
     dummy = xd
     xgs_stride = int(c.x_fp4 and c.xgs.numel() > 1)  # per-row global scales (received NVFP4 tokens)
-    fp8_out = isinstance(c.out, Fp8Tensor)
+    fp8_out = c.quantize_out
     out, out_scales = (c.out.data.view(torch.uint8), c.out.scales) if fp8_out else (c.out, dummy)
     args = (xd, c.xgs if p.x_decoded else dummy, c.xs if c.fp8 else dummy, xgs_stride, wd,
             c.ws if w_tiles_fp4 or c.fp8 else dummy, c.wgs if c.w_fp4 else dummy, out, out_scales,
@@ -290,8 +291,8 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
         if row_scale.device != dev:
             fail("row_scale.device", str(row_scale.device), str(dev))
         row_scale = row_scale.contiguous()
-    if quantize_out:
-        if out is not None and out is not _NO_OUT:
+    if quantize_out and out is not _NO_OUT:
+        if out is not None:
             fail("out", type(out).__name__, "None with quantize_out (a new Fp8Tensor is returned)")
         shape = (*rows_shape, N)
         out = Fp8Tensor(torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev),
@@ -305,8 +306,8 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
             fail("out.shape", tuple(out.shape), str((*rows_shape, N)))
         if out.device != dev or not out.is_contiguous():
             fail("out", f"{out.device}, contiguous={out.is_contiguous()}", f"a contiguous tensor on {dev}")
-    return _Call(xd, xs, xgs, xshape, x_fp4, wd, ws, wgs, wshape, w_fp4, fp8, idx, ragged, swiglu, row_scale, out, G,
-                 N, K, M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
+    return _Call(xd, xs, xgs, xshape, x_fp4, wd, ws, wgs, wshape, w_fp4, fp8, quantize_out, idx, ragged, swiglu,
+                 row_scale, out, G, N, K, M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
 
 
 def _check_m_hint(m_hint) -> None:
