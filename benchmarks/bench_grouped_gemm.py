@@ -7,13 +7,17 @@ gives, ours and torch's alike), and in the masked layout. Columns: our time with
 weights (for decode rows also with the GEMM1 -> GEMM2 chain off), with NVFP4 x and weights, torch._grouped_mm
 (bf16, two GEMMs + silu*mul) in the same process, the time a plain streaming-read kernel takes to read the bf16
 weights once (the practical byte ceiling), the byte floor (weight bytes / 4.8 TB/s), the FLOP floor (/ 795
-TFLOP/s), and the relative error against the torch peer.
+TFLOP/s), and the relative error against the torch peer. ``--weights`` picks the quantized weight formats timed beside
+bf16 (default ``nvfp4``; ``fp8``: DeepSeek-V3's block-scaled e4m3, W8A8, timed with bf16 x quantized per token inside
+the MLP and with x already FP8 as an FP8 dispatch delivers it, held against its own floors: FP8 weight and scale
+bytes / 4.8 TB/s and FLOPs / 1979 TFLOP/s, the H200's dense FP8 peak).
 Autotunes first (printing the winning configs); ``--write-configs DIR`` saves the winners as a tuned-config
 file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 
 From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--write-configs DIR]
+    PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--write-configs DIR] \
+        [--weights nvfp4,fp8]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import triton  # noqa: E402
 from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep import device_facts, options  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4  # noqa: E402
+from moe_ep.kernels.fp8 import FP8_BLOCK, Fp8Tensor, dequantize_fp8, quantize_fp8  # noqa: E402
 from moe_ep.kernels.grouped_gemm import config_space  # noqa: E402
 from moe_ep.commands.common import routed_offsets, uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
@@ -39,6 +44,8 @@ from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 
 BW = 4.8e12
 FLOPS = 795e12
+FP8_FLOPS = 1979e12  # H200 dense FP8 tensor-core peak
+WEIGHT_FORMATS = ("nvfp4", "fp8")
 MODELS = {  # name: (local experts, hidden H, intermediate I, tokens-per-expert rows)
     "DeepSeek-V3 EP8": (32, 7168, 2048, (16, 128, 1024)),
     "Qwen3-30B-A3B": (128, 2048, 768, (8, 64, 512)),
@@ -59,16 +66,21 @@ def torch_mlp(x, w13t, w2t, offs_end, inter):
 
 
 def warm(x, w13, w2, idx, m, table):
-    """Autotune both GEMMs (first call) and return their plans (with the configs that won)."""
-    h, plan1 = grouped_gemm(x, w13, swiglu=True, m_hint=m, **idx, return_plan=True)
+    """Autotune both GEMMs (first call) and return their plans (with the configs that won). FP8 weights: x quantized
+    per token, GEMM1 with its FP8 output, as the expert MLP runs them."""
+    fp8 = isinstance(w13, Fp8Tensor)
+    if fp8 and not isinstance(x, Fp8Tensor):
+        x = quantize_fp8(x, 1)
+    h, plan1 = grouped_gemm(x, w13, swiglu=True, m_hint=m, **idx, return_plan=True, quantize_out=fp8)
     won = [plan1, grouped_gemm(h, w2, m_hint=m, **idx, return_plan=True)[1]]
     n1, k1 = w13.shape[1] // 2, w13.shape[2]
     n2, k2 = w2.shape[1], w2.shape[2]
-    fp4 = not isinstance(w13, torch.Tensor)
+    fp4 = not isinstance(w13, torch.Tensor) and not fp8
     for (n, k, sw), c in zip(((n1, k1, True), (n2, k2, False)), won):
         if c.config and not any(c.decoded):  # (decoded NVFP4 operands run bf16 tiles)
             cfg = {k_: c.config[k_] for k_ in config_space.CONFIG_KEYS}
-            table.setdefault(config_space.shape_class(n, k, fp4, sw), {})[str(config_space.m_bucket(m))] = cfg
+            key = config_space.shape_class(n, k, fp4, sw, fp8, fp8 and sw)
+            table.setdefault(key, {})[str(config_space.m_bucket(m))] = cfg
     return won
 
 
@@ -81,7 +93,7 @@ def short(c):
             f"/w{k['num_warps']}s{k['num_stages']}")
 
 
-def run_row(name, E, H, I, tpe, table):
+def run_row(name, E, H, I, tpe, table, formats=("nvfp4",)):
     dev = torch.device("cuda")
     S = E * tpe
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -120,6 +132,10 @@ def run_row(name, E, H, I, tpe, table):
         xm = x.view(E, tpe, H)
         warm(xm, w13, w2, dict(counts=counts), tpe, table)
         row["ours_bf16_masked_us"] = time_graph(lambda: expert_mlp(xm, w13, w2, counts=counts)) * 1e6
+    if "fp8" in formats:
+        _fp8_columns(row, x, w13, w2, offs, counts, routed, tpe, table)
+    if "nvfp4" not in formats:
+        return row
     q13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
     q2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
     row["byte_floor_nvfp4_us"] = elems * (0.5 + 1 / 16) / BW * 1e6
@@ -148,12 +164,64 @@ def run_row(name, E, H, I, tpe, table):
     return row
 
 
+def _fp8_columns(row, x, w13, w2, offs, counts, routed, tpe, table):
+    """FP8 weights (per 128x128 block; w13's gate and up blocked apart): the MLP from bf16 x (quantized per token
+    inside), from x already FP8, routed and masked; its floors; the error against torch on the dequantized operands
+    (torch keeps the intermediate in bf16, ours rounds it to FP8: a few percent apart)."""
+    E, H, I = row["experts"], row["H"], row["I"]
+    S = x.shape[0]
+    q13, q2 = quantize_fp8(w13, FP8_BLOCK, gate_up=True), quantize_fp8(w2, FP8_BLOCK)
+    xq = quantize_fp8(x, 1)
+    row["byte_floor_fp8_us"] = sum(t.data.numel() + 4 * t.scales.numel() for t in (q13, q2)) / BW * 1e6
+    row["flop_floor_fp8_us"] = 2 * S * 3 * H * I / FP8_FLOPS * 1e6
+    row["configs_fp8"] = [short(c) for c in warm(xq, q13, q2, dict(offsets=offs), tpe, table)]
+    ours = expert_mlp(x, q13, q2, offsets=offs)
+    row["ours_fp8_us"] = time_graph(lambda: expert_mlp(x, q13, q2, offsets=offs)) * 1e6
+    row["ours_fp8_x_us"] = time_graph(lambda: expert_mlp(xq, q13, q2, offsets=offs)) * 1e6
+    if routed is not None:
+        row["ours_fp8_x_routed_us"] = time_graph(lambda: expert_mlp(xq, q13, q2, offsets=routed)) * 1e6
+    if tpe <= ROUTED_MAX:
+        xqm = quantize_fp8(x.view(E, tpe, H), 1)
+        warm(xqm, q13, q2, dict(counts=counts), tpe, table)
+        row["ours_fp8_x_masked_us"] = time_graph(lambda: expert_mlp(xqm, q13, q2, counts=counts)) * 1e6
+    try:
+        d13, d2 = dequantize_fp8(q13), dequantize_fp8(q2)
+        row["rel_err_fp8"] = rel_err(ours, torch_mlp(dequantize_fp8(xq), d13.transpose(1, 2), d2.transpose(1, 2),
+                                                     offs[1:], I))
+        del d13, d2
+    except Exception:  # noqa: BLE001
+        row["rel_err_fp8"] = float("nan")
+    del q13, q2, xq
+    torch.cuda.empty_cache()
+
+
+def _print_fp8(rows):
+    def f(v):
+        return "-" if v is None or v != v else f"{v:8.1f}"
+    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'fp8':>8} {'fp8 x':>8} {'x rout':>8} {'x mask':>8} "
+          f"{'byteflr':>8} {'flopflr':>8} {'err fp8':>8}  configs (gemm1, gemm2)")
+    for r in rows:
+        print(f"{r['model'][:16]:16} {r['tokens_per_expert']:5d} {f(r['ours_bf16_us']):>9} {f(r['ours_fp8_us']):>8} "
+              f"{f(r['ours_fp8_x_us']):>8} {f(r.get('ours_fp8_x_routed_us')):>8} "
+              f"{f(r.get('ours_fp8_x_masked_us')):>8} {f(r['byte_floor_fp8_us']):>8} {f(r['flop_floor_fp8_us']):>8} "
+              f"{r['rel_err_fp8']:8.1e}  {','.join(r['configs_fp8'])}")
+    print("FP8 weights (W8A8, 128x128 weight blocks, per-token 128-channel activation scales): fp8: from bf16 x "
+          "(quantized per token inside the MLP); fp8 x: x already FP8 (as an FP8 dispatch delivers it), uniform / "
+          "routed / masked; floors: FP8 weight + scale bytes / 4.8 TB/s, FLOPs / 1979 TFLOP/s (dense FP8 peak); "
+          "err: against torch on the dequantized operands with a bf16 intermediate")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_grouped_gemm.json", help="full results as JSON")
     ap.add_argument("--quick", action="store_true", help="a few rows, bounded autotune")
     ap.add_argument("--write-configs", default=None, help="folder to write <device>.json tuned configs into")
+    ap.add_argument("--weights", default="nvfp4", help="quantized weight formats timed beside bf16, comma-separated: "
+                    f"{', '.join(WEIGHT_FORMATS)} (default nvfp4)")
     args = ap.parse_args()
+    formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
+    if any(f not in WEIGHT_FORMATS for f in formats):
+        sys.exit(f"--weights {args.weights!r}; allowed: a comma-separated subset of {', '.join(WEIGHT_FORMATS)}")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     dev_name = torch.cuda.get_device_name()
@@ -165,7 +233,7 @@ def main():
             for tpe in tpes:
                 if args.quick and tpe not in QUICK[name]:
                     continue
-                r = run_row(name, E, H, I, tpe, table)
+                r = run_row(name, E, H, I, tpe, table, formats)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     with open(args.out, "w") as f:
@@ -176,6 +244,11 @@ def main():
         with open(path, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
         print("tuned configs ->", path)
+
+    if "fp8" in formats:
+        _print_fp8(rows)
+    if "nvfp4" not in formats:
+        return
 
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"

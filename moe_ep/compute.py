@@ -11,6 +11,11 @@ the GEMM takes them as they are; the bridge gathers their packed rows, scales an
 requantizing. Tokens that arrive as bf16 when ``activation_format`` is NVFP4 are quantized here by the same
 rule (``quantize_nvfp4_tokens``: each row by its own scale, or the config's static one), so garbage rows
 past the counts cannot touch a valid row's codes.
+
+FP8 weights (DESIGN.md, FP8): tokens that arrive as an ``Fp8Tensor`` (``block_rows`` 1, one scale per token per
+128 channels) are taken as they are; bf16 tokens are quantized here, after dispatch, by the same per-token rule
+(``quantize_fp8(x, 1)``), and the bridge gathers FP8 rows and scales as they are. FP8 weights do not take NVFP4
+activations, nor FP8 tokens other weights: both raise :class:`~moe_ep.MoEEpInputError`.
 """
 
 from __future__ import annotations
@@ -21,27 +26,38 @@ from .config import EpConfig, Format
 from .errors import fail
 from .kernels import expert_mlp
 from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
+from .kernels.fp8 import FP8_BLOCK, Fp8Tensor, quantize_fp8
 from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from .layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                               LowLatencyRankMajor)
 from .weights import ExpertWeights
 
 
-def _tokens(x, config: EpConfig):
-    """The tokens the GEMM takes: x itself, or x quantized to NVFP4 by the layer's rule (module doc)."""
-    return activations(x, config.activation_format is Format.NVFP4, config.activation_global_scale)
+def _tokens(x, config: EpConfig, w: ExpertWeights):
+    """The tokens the GEMM takes: x itself, or x quantized to NVFP4 / FP8 by the layer's rule (module doc)."""
+    return activations(x, config.activation_format is Format.NVFP4, config.activation_global_scale,
+                       w.format is Format.FP8)
 
 
-def activations(x, nvfp4: bool, static_global_scale: float | None):
+def activations(x, nvfp4: bool, static_global_scale: float | None, fp8_weights: bool = False):
     """``x`` as the GEMM takes it: as it is, or with ``nvfp4`` bf16 tokens quantized per token (or by the static
-    scale): ``quantize_nvfp4_tokens``."""
+    scale): ``quantize_nvfp4_tokens``; with ``fp8_weights`` bf16 tokens quantized to FP8 per token per 128 channels
+    (``quantize_fp8(x, 1)``; codes of a row with NaN/Inf are unspecified, that row's alone: validation checks them)."""
+    if fp8_weights:
+        if nvfp4 or isinstance(x, NvFp4Tensor):
+            fail("activation format with FP8 weights", "nvfp4", "bf16 or fp8 (FP8 weights multiply FP8 tokens)")
+        return x if isinstance(x, Fp8Tensor) else quantize_fp8(x, 1, check_finite=False)
+    if isinstance(x, Fp8Tensor):
+        fail("FP8 tokens with weights of format", "bf16 or nvfp4", "fp8 (ExpertWeights(..., Format.FP8))")
     if nvfp4 and not isinstance(x, NvFp4Tensor):
         return quantize_nvfp4_tokens(x, static_global_scale)
     return x
 
 
 def _flat(tokens, M: int, H: int):
-    """Tokens ``[..., H]`` as ``M`` rows (an NvFp4Tensor's per-row global scales come along)."""
+    """Tokens ``[..., H]`` as ``M`` rows (an NvFp4Tensor's per-row global scales, an Fp8Tensor's scales come along)."""
+    if isinstance(tokens, Fp8Tensor):
+        return Fp8Tensor(tokens.data.reshape(M, H), tokens.scales.reshape(M, -(-H // FP8_BLOCK)), tokens.block_rows)
     if not isinstance(tokens, NvFp4Tensor):
         return tokens.reshape(M, H)
     gs = tokens.global_scale
@@ -52,19 +68,19 @@ def _flat(tokens, M: int, H: int):
 def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, config: EpConfig,
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[L, R*T, H]`` -> ``[L, R*T, H]``: masked MLP, rows past ``expert_counts`` untouched."""
-    return expert_mlp(_tokens(d.tokens, config), w.w13, w.w2, counts=d.expert_counts, m_hint=tokens_per_expert)
+    return expert_mlp(_tokens(d.tokens, config, w), w.w13, w.w2, counts=d.expert_counts, m_hint=tokens_per_expert)
 
 
 def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_rows: torch.Tensor,
              rows_per_group: int, w: ExpertWeights, config: EpConfig, tokens_per_expert: int | None) -> torch.Tensor:
     M = topk_idx.numel() // topk_idx.shape[-1]
-    x = _tokens(_flat(tokens, M, tokens.shape[-1]), config)
+    x = _tokens(_flat(tokens, M, tokens.shape[-1]), config, w)
     return bridged_mlp(x, topk_idx, topk_weights, w, valid_rows, rows_per_group, tokens_per_expert)
 
 
 def bridged_mlp(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w: ExpertWeights, valid_rows=None,
                 rows_per_group: int | None = None, tokens_per_expert: int | None = None) -> torch.Tensor:
-    """Route the ``[M, K]`` picks (local ids; others skipped), permute ``x``'s ``M`` rows (bf16 or NVFP4), ragged
+    """Route the ``[M, K]`` picks (local ids; others skipped), permute ``x``'s ``M`` rows (bf16, NVFP4 or FP8), ragged
     MLP, weighted unpermute-reduce (fp32 sums) -> bf16 ``[M, H]`` (``valid_rows`` / ``rows_per_group``: see
     ``route_experts``)."""
     K = topk_idx.shape[-1]
@@ -94,7 +110,7 @@ def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, config: EpCo
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
     offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
-    return expert_mlp(_tokens(d.tokens, config), w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(),
+    return expert_mlp(_tokens(d.tokens, config, w), w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(),
                       m_hint=tokens_per_expert)
 
 

@@ -34,6 +34,7 @@ class Format(enum.Enum):
     """Number format of weights or activations."""
     BF16 = "bf16"
     NVFP4 = "nvfp4"
+    FP8 = "fp8"
 
 
 MAX_INT32 = 2**31 - 1

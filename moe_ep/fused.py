@@ -20,22 +20,27 @@ def fused_moe(hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights:
 
     ``hidden_states [B, H]`` bf16; ``topk_idx [B, K]`` int32/int64 expert ids, -1 = no expert (the router's
     output as it is: the routing weights are applied here, once, in fp32); ``topk_weights [B, K]``
-    float32/bfloat16/float16; ``weights``: an :class:`ExpertWeights` holding **all** ``E`` experts (bf16 or NVFP4),
+    float32/bfloat16/float16; ``weights``: an :class:`ExpertWeights` holding **all** ``E`` experts (bf16, NVFP4 or
+    FP8; with FP8 weights the tokens are quantized to FP8 per token per 128 channels before GEMM1),
     on the device the kernels run on. Each expert is the SwiGLU MLP ``w2 @ (silu(w1 x) * w3 x)``.
 
     ``activation_format`` ``"nvfp4"`` quantizes the tokens to NVFP4 before GEMM1, one global scale per token (or
     ``activation_global_scale`` for all, a checkpoint's ``1 / input_scale``): a token's output never depends on
     the rest of its batch. ``validate`` (default) also checks id ranges, duplicate ids in a row, finite routing
-    weights and, with NVFP4 activations, finite tokens (one host sync; skipped while a CUDA graph is being
-    captured). Without it, ids outside ``[0, E)`` are no expert. No other host sync: the call can be captured in
+    weights and, with NVFP4 activations or FP8 weights, finite tokens (one host sync; skipped while a CUDA graph is
+    being captured). Without it, ids outside ``[0, E)`` are no expert. No other host sync: the call can be captured in
     a CUDA graph. Bad arguments raise :class:`~moe_ep.MoEEpInputError` / :class:`~moe_ep.MoEEpConfigError`.
     """
     check(isinstance(weights, ExpertWeights), "type(weights)", type(weights).__name__, "ExpertWeights")
     try:
         fmt = Format(activation_format)
     except (ValueError, TypeError):
-        fail("activation_format", activation_format, "'bf16', 'nvfp4'")
+        fail("activation_format", activation_format, "'bf16', 'nvfp4', 'fp8' (with FP8 weights)")
     nvfp4 = fmt is Format.NVFP4
+    fp8 = weights.format is Format.FP8
+    if fp8 and fmt is Format.NVFP4 or not fp8 and fmt is Format.FP8:
+        fail("activation_format", fmt.value, "'bf16' or 'fp8' with FP8 weights (the tokens are quantized to FP8 "
+             "here), else 'bf16' or 'nvfp4'")
     if activation_global_scale is not None:
         check(nvfp4, "activation_global_scale", activation_global_scale, "None unless activation_format is 'nvfp4'")
         check(isinstance(activation_global_scale, (int, float)) and not isinstance(activation_global_scale, bool)
@@ -50,7 +55,7 @@ def fused_moe(hidden_states: torch.Tensor, topk_idx: torch.Tensor, topk_weights:
     check_routing_inputs(x, idx, w, hidden_size=weights.hidden_size, top_k=K, device=weights.device)
     B, E = x.shape[0], weights.num_local_experts
     if validate and B and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        check_routing_values(x, idx, w, E, nvfp4)
+        check_routing_values(x, idx, w, E, nvfp4 or fp8)
     tokens_per_expert = max(1, -(-B * K // E))  # the GEMMs' tuned tiles, as the layer picks them
-    return bridged_mlp(activations(x, nvfp4, activation_global_scale), idx, w, weights,
+    return bridged_mlp(activations(x, nvfp4, activation_global_scale, fp8), idx, w, weights,
                        tokens_per_expert=tokens_per_expert)

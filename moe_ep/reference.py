@@ -132,14 +132,21 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_BLOCK = 128  # FP8 scale blocks: 128 columns, and 128 rows for weights (1 for activations)
 
 
-def quantize_fp8_ref(x: torch.Tensor, block_rows: int):
+def quantize_fp8_ref(x: torch.Tensor, block_rows: int, gate_up: bool = False):
     """Reference FP8 block quantization of ``x [..., R, K]`` (``block_rows`` 1: per row per 128 columns, as
     activations; 128: per 128x128 block, as weights; blocks never cross the leading dims).
 
     Per block: ``s = amax(|x|) / 448`` in fp32 (1.0 where that is 0: an all-zero block has codes 0), then
     ``q = e4m3_rne(clamp(x / s, -448, 448))``. Returns ``(q float8_e4m3fn [..., R, K], s float32
     [..., ceil(R / block_rows), ceil(K / 128)])``. Dequantize: ``q * s``.
+    ``gate_up`` (an FP8 w13 ``[..., 2I, K]``): gate's and up's rows are blocked apart, each as above, and the scales
+    are gate's row blocks then up's (``[..., 2 * ceil(I / block_rows), ceil(K / 128)]``).
     """
+    if gate_up:
+        half = x.shape[-2] // 2
+        (qg, sg), (qu, su) = quantize_fp8_ref(x[..., :half, :], block_rows), quantize_fp8_ref(x[..., half:, :],
+                                                                                             block_rows)
+        return torch.cat([qg, qu], dim=-2), torch.cat([sg, su], dim=-2)
     *lead, R, K = x.shape
     br, bc = block_rows, FP8_BLOCK
     nr, nc = -(-R // br), -(-K // bc)
@@ -153,8 +160,12 @@ def quantize_fp8_ref(x: torch.Tensor, block_rows: int):
     return q.reshape(*lead, nr * br, nc * bc)[..., :R, :K].contiguous(), s
 
 
-def dequantize_fp8_ref(q: torch.Tensor, s: torch.Tensor, block_rows: int) -> torch.Tensor:
+def dequantize_fp8_ref(q: torch.Tensor, s: torch.Tensor, block_rows: int, gate_up: bool = False) -> torch.Tensor:
     """``q * s`` in fp32, each scale over its block (see :func:`quantize_fp8_ref`)."""
+    if gate_up:
+        half, blocks = q.shape[-2] // 2, s.shape[-2] // 2
+        return torch.cat([dequantize_fp8_ref(q[..., :half, :], s[..., :blocks, :], block_rows),
+                          dequantize_fp8_ref(q[..., half:, :], s[..., blocks:, :], block_rows)], dim=-2)
     *lead, R, K = q.shape
     s_full = s.repeat_interleave(block_rows, dim=-2)[..., :R, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :K]
     return q.float() * s_full
@@ -234,6 +245,23 @@ def expert_mlp_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, coun
     """
     h = grouped_gemm_ref(x, w13, counts=counts, offsets=offsets, swiglu=True)
     return grouped_gemm_ref(h, w2, counts=counts, offsets=offsets, row_scale=row_scale)
+
+
+def swiglu_fp8_ref(h: torch.Tensor):
+    """The FP8 output of an FP8 expert MLP's GEMM1: the fp32 SwiGLU values ``h [..., I]`` (not rounded to bf16
+    first) quantized per row per 128 columns, as activations (:func:`quantize_fp8_ref` with ``block_rows`` 1).
+    Returns ``(q float8_e4m3fn [..., I], s float32 [..., ceil(I / 128)])``."""
+    return quantize_fp8_ref(h.float(), 1)
+
+
+def expert_mlp_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, counts: torch.Tensor | None = None,
+                       offsets: torch.Tensor | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference FP8 expert MLP on dense (dequantized) FP8 operands ``x``, ``w13``, ``w2``: as
+    :func:`expert_mlp_ref`, but GEMM1's fp32 SwiGLU result is quantized to FP8 (:func:`swiglu_fp8_ref`) and GEMM2
+    multiplies its dequantized values."""
+    h = grouped_gemm_ref(x, w13, counts=counts, offsets=offsets, swiglu=True)
+    q, s = swiglu_fp8_ref(h)
+    return grouped_gemm_ref(dequantize_fp8_ref(q, s, 1), w2, counts=counts, offsets=offsets, row_scale=row_scale)
 
 
 # --- the layout bridge (moe_ep.kernels.bridge) and the dense MoE ---------------------------------------

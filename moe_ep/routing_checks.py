@@ -70,6 +70,6 @@ def check_routing_values(x, idx, w, num_experts: int, finite_tokens: bool) -> No
     if bool(bad[2]):
         raise MoEEpInputError("topk_weights holds NaN or Inf; allowed: finite values")
     row = int((~torch.isfinite(x)).any(dim=1).nonzero()[0, 0])
-    raise MoEEpInputError(f"hidden_states[{row}] holds NaN or Inf; allowed: finite values (NVFP4 activations "
-                          "have no NaN or Inf; with validate=False such a token comes out NaN, the others "
-                          "untouched)")
+    raise MoEEpInputError(f"hidden_states[{row}] holds NaN or Inf; allowed: finite values (NVFP4 and FP8 "
+                          "activations have no NaN or Inf; with validate=False such a token comes out NaN with NVFP4, "
+                          "unspecified with FP8, the others untouched)")

@@ -5,7 +5,9 @@ triton is imported, since ``@triton.jit`` reads it at decoration time) and patch
 known traps in Triton 3.6-3.9, so the same kernel code gives the GPU's answers on a CPU:
 
 * bf16 ``tl.dot`` and bf16 add/multiply/compare work on the raw uint16 bits (triton issue #11584):
-  bf16 operands are upcast to fp32 first, and arithmetic results rounded back to bf16 (RNE).
+  bf16 operands are upcast to fp32 first, and arithmetic results rounded back to bf16 (RNE). fp8 ``tl.dot``
+  operands are raw uint8 bits there too: they are upcast to fp32 the same way (the products of two e4m3 values
+  are exact in fp32, as in the tensor cores).
 * fp32 -> bf16 / fp8 casts truncate or round half-up there; the GPU rounds to nearest even
   (and saturates fp8 with ``satfinite``): casts are done through torch, which rounds like the GPU.
 * a comparison's handle keeps its operands' type (int32 for ``i < n``) around numpy bools, so a splat of a
@@ -109,9 +111,9 @@ def _handled_by_torch(src, dst) -> bool:
 
 
 def _to_f32(handle):
-    """A bf16 handle's values as fp32 numpy (other handles unchanged)."""
-    if handle.dtype.scalar == tl.bfloat16:
-        return _torch_cast(handle.data, tl.bfloat16, tl.float32)
+    """A bf16 or fp8 handle's values as fp32 numpy (other handles unchanged)."""
+    if handle.dtype.scalar in _LOW:
+        return _torch_cast(handle.data, handle.dtype.scalar, tl.float32)
     return handle.data
 
 
@@ -152,7 +154,7 @@ def _patch_interpreter() -> None:
         return orig_fp_to_fp(self, src, dst_type, rounding_mode)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+        if a.dtype.scalar in _LOW or b.dtype.scalar in _LOW:  # bf16 and fp8 (e4m3 / e5m2) are raw bits here
             a32, b32 = _to_f32(a), _to_f32(b)
             acc = d.data if d.dtype.scalar != tl.bfloat16 else _to_f32(d)
             out = np.matmul(a32.astype(np.float32), b32.astype(np.float32)) + acc

@@ -1,5 +1,5 @@
-"""ExpertWeights: one rank's local expert weights, bf16 or quantized to NVFP4 once at construction (or NVFP4 as a
-checkpoint ships them: :meth:`ExpertWeights.from_nvfp4`)."""
+"""ExpertWeights: one rank's local expert weights, bf16 or quantized to NVFP4 or FP8 once at construction (or NVFP4 /
+FP8 as a checkpoint ships them: :meth:`ExpertWeights.from_nvfp4`, :meth:`ExpertWeights.from_fp8_blocks`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from .checkpoints import load_nvfp4_projections
 from .config import Format
 from .errors import MoEEpConfigError, MoEEpInputError, check, fail
+from .fp8_checkpoints import load_fp8_projections
+from .kernels.fp8 import FP8_BLOCK, Fp8Tensor, dequantize_fp8, quantize_fp8
 from .kernels.nvfp4 import NvFp4Tensor, dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,8 +31,9 @@ class ExpertWeights:
 
     ``weight_format`` BF16 keeps them as bf16 tensors; NVFP4 quantizes each once, here, with one global
     scale per expert (``quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))``); the layer then reads
-    only the packed codes. ``w13``/``w2`` attributes hold what the grouped GEMM consumes (a bf16 tensor or
-    an :class:`NvFp4Tensor`).
+    only the packed codes. FP8 quantizes each once, here, per 128x128 block (``quantize_fp8(w, 128)``; w13's
+    gate and up rows blocked apart, ``gate_up=True``: docs/DESIGN.md, FP8). ``w13``/``w2`` attributes hold what the
+    grouped GEMM consumes (a bf16 tensor, an :class:`NvFp4Tensor` or an :class:`Fp8Tensor`).
 
     Both are float32, bfloat16 or float16 (float64 is refused, as for routing weights), finite, on a CPU or
     CUDA device, and need no gradient (inference only); for BF16 every value must fit bf16 (``|w| <=``
@@ -45,7 +48,7 @@ class ExpertWeights:
         try:
             weight_format = Format(weight_format)
         except (ValueError, TypeError):
-            raise MoEEpConfigError(f"weight_format = {weight_format!r}; allowed: 'bf16', 'nvfp4'") from None
+            raise MoEEpConfigError(f"weight_format = {weight_format!r}; allowed: 'bf16', 'nvfp4', 'fp8'") from None
         for name, w in (("w13", w13), ("w2", w2)):
             check(isinstance(w, torch.Tensor), f"type({name})", type(w).__name__, "a torch.Tensor")
             check(w.dim() == 3, f"{name}.shape", tuple(w.shape), "3-D ([L, 2I, H] / [L, H, I])")
@@ -64,6 +67,9 @@ class ExpertWeights:
         if weight_format is Format.NVFP4:
             self.w13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
             self.w2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
+        elif weight_format is Format.FP8:  # (finite: checked above)
+            self.w13 = quantize_fp8(w13, FP8_BLOCK, check_finite=False, gate_up=True)
+            self.w2 = quantize_fp8(w2, FP8_BLOCK, check_finite=False)
         else:
             self.w13 = w13.to(torch.bfloat16).contiguous()
             self.w2 = w2.to(torch.bfloat16).contiguous()
@@ -119,13 +125,43 @@ class ExpertWeights:
         self.w13, self.w2, self.activation_global_scale = w13, w2, act
         return self
 
+    @classmethod
+    def from_fp8_blocks(cls, w13, w2, w13_scale_inv, w2_scale_inv, *, device=None) -> "ExpertWeights":
+        """FP8 block-scaled weights as a DeepSeek-V3 / Qwen3-FP8 checkpoint ships them, kept as they are (no
+        re-quantization; :mod:`moe_ep.fp8_checkpoints`).
+
+        ``w13``: float8_e4m3fn ``[L, 2I, H]`` (gate rows then up rows) or a pair ``(gate, up)`` of ``[L, I, H]``;
+        ``w13_scale_inv``: the same kind, fp32 ``[L, 2 * ceil(I / 128), ceil(H / 128)]`` (gate's row blocks then
+        up's) or a pair of ``[L, ceil(I / 128), ceil(H / 128)]`` (each projection's ``weight_scale_inv``, stacked
+        over the local experts). ``w2``: ``[L, H, I]`` e4m3, ``w2_scale_inv`` ``[L, ceil(H / 128), ceil(I / 128)]``.
+        Value: ``q * scale_inv`` per 128x128 block. ``device``: where the weights go (default: where they are).
+        Bad shapes, dtypes or devices, NaN codes and non-finite scales raise :class:`MoEEpInputError` (host syncs:
+        once, here)."""
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise MoEEpInputError(f"device = {device!r}; allowed: a torch.device or its name") from None
+        self = cls.__new__(cls)
+        self.w13, self.w2 = load_fp8_projections(w13, w2, w13_scale_inv, w2_scale_inv, device)
+        self.format = Format.FP8
+        L, two_i, H = self.w13.shape
+        self.num_local_experts, self.hidden_size, self.intermediate_size = L, H, two_i // 2
+        self.activation_global_scale = None
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.w13.device
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights the layer computes with, as fp32 (dequantized when NVFP4): the reference's operands."""
-        f = lambda w: dequantize_nvfp4(w, torch.float32) if isinstance(w, NvFp4Tensor) else w.float()  # noqa: E731
+        """The weights the layer computes with, as fp32 (dequantized when NVFP4 or FP8): the reference's operands."""
+        def f(w):
+            if isinstance(w, NvFp4Tensor):
+                return dequantize_nvfp4(w, torch.float32)
+            if isinstance(w, Fp8Tensor):
+                return dequantize_fp8(w, torch.float32)
+            return w.float()
         return f(self.w13), f(self.w2)
 
 

@@ -41,20 +41,21 @@ def test_info_process_exit_code_and_json(tmp_path):
 
 
 def test_bench_small_preset_writes_json_and_png(tmp_path, capsys):
-    rc = main(["bench", "--preset", "small", "--tokens", "2", "--kernels", "mlp,quant,bridge,layer",
+    rc = main(["bench", "--preset", "small", "--tokens", "2", "--kernels", "mlp,mlp-fp8,quant,bridge,layer",
                "--layouts", "ll-expert_major", "--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["world_size"] == 1 and res["presets"][0]["name"] == "small"
-    assert res["ceilings"] == {"bandwidth": 4.8e12, "peak_flops": 795e12}
+    assert res["ceilings"] == {"bandwidth": 4.8e12, "peak_flops": 795e12, "peak_flops_fp8": 1979e12}
     kernels = {r["kernel"] for r in res["rows"]}
-    assert kernels == {"mlp", "quant", "bridge", "layer[ll-expert_major]"}
+    assert kernels == {"mlp", "mlp-fp8", "quant", "bridge", "layer[ll-expert_major]"}
     for r in res["rows"]:
         assert r["tokens"] == 2 and r["ours_us"] > 0 and r["peer_us"] > 0 and r["peer"]
         assert r["floor_us"] > 0 and 0 < r["pct_floor"] and r["peer_pct_floor"] > 0
     rows = {r["kernel"]: r for r in res["rows"]}
     assert rows["quant"]["diff"] == 0.0  # bit-exact against the reference
     assert rows["mlp"]["diff"] < 2e-2 and rows["layer[ll-expert_major]"]["diff"] < 2e-2
+    assert rows["mlp-fp8"]["diff"] < 0.12  # W8A8 against the bf16 peer: x, weights, intermediate rounded to e4m3
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
     assert "% floor" in capsys.readouterr().out
 
@@ -118,6 +119,27 @@ def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch,
         assert main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "64"]) == 0
         assert "skipped" in capsys.readouterr().out
         assert json.loads(path.read_text())[key]["64"] == config_dict(other)
+
+
+def test_tune_fp8_writes_fp8_keys_the_fp8_gemms_load(tmp_path):
+    """``--formats fp8``: both GEMMs tuned under FP8 keys of their own (GEMM1 with its FP8 output), and an FP8 call of
+    that shape takes the written config; the bf16 keys are not written."""
+    from moe_ep import device_facts, options
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.fp8 import quantize_fp8
+    from moe_ep.kernels.grouped_gemm.config_space import shape_class
+    with options.override(config_dir=str(tmp_path)):
+        assert main(["tune", *TINY, "--gemms", "gemm1,gemm2", "--formats", "fp8", "--buckets", "8"]) == 0
+        table = json.loads((tmp_path / f"{device_facts.device_name()}.json").read_text())
+        assert set(table) == {shape_class(32, 64, False, True, True, True), shape_class(64, 32, False, False, True)}
+        cfg = table[shape_class(32, 64, False, True, True, True)]["8"]
+        assert cfg["BLOCK_N"] % 128 == 0
+        dev = device()
+        x = quantize_fp8(torch.randn(16, 64, device=dev).bfloat16(), 1)
+        w = quantize_fp8(torch.randn(2, 64, 64, device=dev).bfloat16(), 128, gate_up=True)
+        plan = plan_grouped_gemm(x, w, offsets=torch.tensor([0, 8, 16], device=dev), swiglu=True, m_hint=8,
+                                 quantize_out=True)
+        assert plan.config_source == "tuned-file" and plan.config == cfg
 
 
 def test_routed_offsets_spread_rows_around_the_mean():

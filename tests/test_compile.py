@@ -30,7 +30,7 @@ print(f"{len(checks)} variants compiled for sm_{cc}")
 
 # Every config of the grouped GEMM's GPU space, built as a launch builds it (16-byte aligned pointers and strides:
 # that is what lets Triton pipeline the loads through shared memory), against config_space.smem_bytes, the estimate the
-# autotune prune drops configs by. Formats and epilogues rotate over the configs.
+# autotune prune drops configs by. Formats and epilogues rotate over the configs; the FP8-only configs are built as FP8.
 SMEM_SCRIPT = r"""
 import sys
 import moe_ep
@@ -41,15 +41,20 @@ from moe_ep.kernels.grouped_gemm import config_space
 from moe_ep.testing.compile_checks import grouped_gemm as grouped_gemm_checks
 cc = int(sys.argv[1])
 kernel, base_sig, base_const = grouped_gemm_checks()[0]
-aligned = ["x_ptr", "xgs_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "rs_ptr", "cnt_ptr", "ready_ptr", "N", "K",
+aligned = ["x_ptr", "xgs_ptr", "xs_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "os_ptr", "rs_ptr", "cnt_ptr", "ready_ptr", "N", "K",
            "KQ", "K16"]
 worst = 0.0
+fp8_only = {config_space._config_key(c) for c in config_space.fp8_only_configs()}
 for i, c in enumerate(config_space.grouped_gemm_configs()):
     kw = c.kwargs
-    w_fp4, swiglu = (False, i % 2 == 0) if kw["TMA"] else (i % 4 >= 2, i % 2 == 0)
+    fp8 = config_space._config_key(c) in fp8_only
+    w_fp4, swiglu = (False, i % 2 == 0) if kw["TMA"] or fp8 else (i % 4 >= 2, i % 2 == 0)
     sig, const = dict(base_sig), dict(base_const)
-    sig["w_ptr"] = "*u8" if w_fp4 else "*bf16"
+    sig["w_ptr"] = "*u8" if w_fp4 or fp8 else "*bf16"
+    if fp8:
+        sig.update(x_ptr="*u8", ws_ptr="*fp32")
     const.update(RAGGED=True, W_FP4=w_fp4, SWIGLU=swiglu, HAS_RS=not swiglu, X_DECODED=False, W_DECODED=False,
+                 FP8=fp8, FP8_OUT=False,
                  EVEN_K=True, PERSISTENT=False, SIGNAL=False, WAIT=False, PDL=False,
                  **{k: kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA")})
     for name in ("x_desc", "w_desc"):
@@ -63,8 +68,8 @@ for i, c in enumerate(config_space.grouped_gemm_configs()):
     attrs = {(kernel.arg_names.index(a), ): [["tt.divisibility", 16]] for a in aligned}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", cc, 32),
                        options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
-    est, real = config_space.smem_bytes(config_space.config_dict(c), swiglu, w_fp4), k.metadata.shared
-    assert real <= est <= 1.35 * real + config_space.SMEM_SLACK, (kw, c.num_stages, w_fp4, swiglu, real, est)
+    est, real = config_space.smem_bytes(config_space.config_dict(c), swiglu, w_fp4, fp8), k.metadata.shared
+    assert real <= est <= 1.35 * real + config_space.SMEM_SLACK, (kw, c.num_stages, w_fp4, fp8, swiglu, real, est)
     worst = max(worst, est / real)
 print(f"smem estimate: {i + 1} configs within it, at most {worst:.2f}x the compiled size")
 """

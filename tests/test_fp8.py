@@ -64,6 +64,26 @@ def test_all_zero_block_has_scale_one_and_codes_zero(dev):
     assert not bool(q.data[:, :256].float().any())
 
 
+@pytest.mark.parametrize("I", [16, 144, 256])
+def test_gate_up_blocks_each_half_apart(dev, I):
+    """``gate_up``: a w13's gate and up rows quantized as two tensors (scales: gate's row blocks, then up's), bit for
+    bit the reference; the dequantized values put each half back in place; where I % 128 == 0 it is the plain
+    layout."""
+    x = make_values((2, 2 * I, 144), "normal", torch.bfloat16, I).to(dev)
+    x[:, I:] *= 1000  # up rows far larger than gate's: a shared block would flush gate's codes
+    q = quantize_fp8(x, 128, gate_up=True)
+    rq, rs = quantize_fp8_ref(x.cpu(), 128, gate_up=True)
+    assert q.gate_up and q.scales.shape == (2, 2 * -(-I // 128), 2)
+    assert_bits_equal(q.scales, rs, "gate_up scales")
+    assert_bits_equal(q.data.view(torch.uint8), rq.view(torch.uint8), "gate_up codes")
+    assert_bits_equal(dequantize_fp8(q, torch.float32), dequantize_fp8_ref(rq, rs, 128, True), "gate_up values")
+    gate = quantize_fp8(x[:, :I], 128)
+    assert_bits_equal(q.data[:, :I].view(torch.uint8), gate.data.view(torch.uint8), "gate half")
+    if I % 128 == 0:
+        plain = quantize_fp8(x, 128)
+        assert_bits_equal(q.scales, plain.scales, "the plain layout where I % 128 == 0")
+
+
 BAD = [
     ("x_1d", lambda d: quantize_fp8(torch.zeros(16).to(d)), "x.dim() = 1"),
     ("x_int", lambda d: quantize_fp8(torch.zeros(2, 16, dtype=torch.int32).to(d)), "x.dtype = torch.int32"),
@@ -77,6 +97,12 @@ BAD = [
      "Fp8Tensor.scales.dtype = torch.float16"),
     ("data_dtype", lambda d: Fp8Tensor(torch.zeros(4, 16), torch.ones(4, 1)), "Fp8Tensor.data.dtype = torch.float32"),
     ("dequant_type", lambda d: dequantize_fp8(torch.zeros(2, 2)), "type(q) = 'Tensor'"),
+    ("gate_up odd rows", lambda d: quantize_fp8(torch.zeros(3, 16).to(d), 128, gate_up=True), "x.shape = (3, 16)"),
+    ("gate_up int", lambda d: quantize_fp8(torch.zeros(2, 16).to(d), 128, gate_up=1), "gate_up = 1"),
+    ("gate_up plain scales", lambda d: Fp8Tensor(torch.zeros(2, 288, 16).to(torch.float8_e4m3fn), torch.ones(2, 3, 1),
+                                                 128, True), "Fp8Tensor.scales.shape = (2, 3, 1)"),
+    ("gate_up odd data", lambda d: Fp8Tensor(torch.zeros(3, 16).to(torch.float8_e4m3fn), torch.ones(2, 1), 128, True),
+     "Fp8Tensor.data.shape = (3, 16)"),
 ]
 
 

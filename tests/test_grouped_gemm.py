@@ -427,7 +427,8 @@ def _bad_cases(dev):
         ("row_scale.shape", lambda: grouped_gemm(xr, w, offsets=offs, row_scale=torch.ones(4, device=dev))),
         ("out.shape", lambda: grouped_gemm(x, w, counts=cnt, out=torch.empty(G, M, N + 1, dtype=torch.bfloat16,
                                                                                   device=dev))),
-        ("out.dtype", lambda: grouped_gemm(x, w, counts=cnt, out=torch.empty(G, M, N, device=dev))),
+        ("out.dtype", lambda: grouped_gemm(x, w, counts=cnt, out=torch.empty(G, M, N, dtype=torch.float16,
+                                                                             device=dev))),
         ("x.swizzled", lambda: grouped_gemm(quantize_nvfp4(x + 1, swizzle=True), w, counts=cnt)),
         ("x.global_scale.shape", lambda: grouped_gemm(
             NvFp4Tensor(xq.data, xq.scales, torch.ones(G, device=dev), xq.shape), w, counts=cnt)),
@@ -514,10 +515,13 @@ def test_compile_checks_cover_every_variant():
         assert not isinstance(fn, triton.runtime.autotuner.Autotuner) and hasattr(fn, "arg_names")
         assert set(sig) == set(fn.arg_names)
         assert all(sig[k] == "constexpr" for k in const)
-        seen.add(tuple(const[k] for k in ("RAGGED", "X_DECODED", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB", "TMA")))
-    want = {(r, xd, wf, s, not s, sw, 0)
+        seen.add(tuple(const[k] for k in ("RAGGED", "X_DECODED", "W_FP4", "SWIGLU", "HAS_RS", "SWAP_AB", "TMA", "FP8",
+                                          "FP8_OUT")))
+    want = {(r, xd, wf, s, not s, sw, 0, 0, 0)
             for r in (0, 1) for xd in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
-    want |= {(1, xd, 0, s, not s, 0, 1) for xd in (0, 1) for s in (0, 1)}  # TMA: ragged, bf16 weights, not swapped
+    want |= {(1, xd, 0, s, not s, 0, 1, 0, 0) for xd in (0, 1) for s in (0, 1)}  # TMA: ragged, bf16 w, not swapped
+    # FP8: both layouts, GEMM1 with FP8 or bf16 output, GEMM2; swapped and not
+    want |= {(r, 0, 0, s, not s, sw, 0, 1, o) for r in (0, 1) for s, o in ((1, 1), (1, 0), (0, 0)) for sw in (0, 1)}
     assert {tuple(bool(v) for v in t) for t in seen} == {tuple(bool(v) for v in t) for t in want}
 
 

@@ -116,6 +116,29 @@ def compare(family: str, dev, seed: int, batch: int, seq: int, gen: int) -> tupl
 
 # (a) world size 1: fused_moe --------------------------------------------------------------------------------
 
+def test_fp8_weights_convert_and_run(dev):
+    """``convert(weight_format="fp8")``: the experts quantized to FP8 once, W8A8 in the forward. Against the model
+    holding the dequantized FP8 weights only the tokens' and the intermediate's e4m3 rounding (2^-4 relative at
+    worst per element, twice per MoE layer) and bf16 arithmetic differ."""
+    model = tiny_model("mixtral", 0, dev)
+    ref = copy.deepcopy(model)
+    names = convert(model, weight_format="fp8")
+    assert names and all(model.get_submodule(n).config.weight_format.value == "fp8" for n in names)
+    for name in names:
+        experts = ref.get_submodule(name).experts
+        if isinstance(experts, torch.nn.ModuleList):
+            pytest.skip("transformers 4.x experts: the dequantized weights are written back to fused ones only")
+        w13, w2 = model.get_submodule(name).weights.dense()
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(w13)
+            experts.down_proj.copy_(w2)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1)).to(dev)
+    with torch.no_grad():
+        err = rel_err(model(ids).logits, ref(ids).logits)
+    print(f"fp8 logits rel err {err:.4f}")
+    assert err <= 0.1, f"logits rel err {err:.4f}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_world_1_logits_and_greedy_tokens(family, dev):
     err, same = compare(family, dev, seed=1, batch=2, seq=6, gen=5)
@@ -275,7 +298,7 @@ def test_sizes_and_activations_moe_ep_cannot_run_are_named(overrides, match):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(weight_format="fp8"), "EpConfig.weight_format = 'fp8'"),
+    (dict(weight_format="int8"), "EpConfig.weight_format = 'int8'"),  # (fp8 is a format: DESIGN.md, FP8)
     (dict(activation_format="int4"), "EpConfig.activation_format = 'int4'"),
     (dict(max_tokens=0), "EpConfig.max_tokens_per_rank = 0"),
     (dict(algorithm="ll", layout="flat"), "EpConfig.layout = 'flat'"),

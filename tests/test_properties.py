@@ -13,6 +13,7 @@ QUANT = dict(rows=3, k=32, kind="normal", dtype="bfloat16", given_scale=False, g
 GEMM = dict(G=2, K=32, N=16, counts=[3, 2], ragged=True, x_fmt="bf16", w_fmt="bf16", swiglu=False, row_scale=False,
             pad=2, m_hint=None, scale=1.0, zero_frac=0.0, seed=3)
 ROUTE = dict(L=3, K=2, M=5, kind="random", group=None, H=16, weighted=True, dtype="int64", seed=4)
+FP8_GEMM = dict(GEMM, K=144, N=16, x_fmt="fp8", w_fmt="fp8", config=None)
 LAYER = dict(E=2, K=1, H=32, I=16, B=3, layout=("ht", "flat"), wf="bf16", af="bf16", routing="random", seed=5)
 
 
@@ -68,6 +69,10 @@ FAULTS = [  # (check, case, where the kernel lives, its name there, the fault, w
     (P.check_grouped_gemm, GEMM, kernels, "grouped_gemm", _bump_a_value, "relative error"),
     (P.check_grouped_gemm, GEMM, kernels, "grouped_gemm", _write_a_padding_row, "outside the experts' counts"),
     (P.check_expert_mlp, dict(GEMM, swiglu=True), kernels, "expert_mlp", _bump_a_value, "relative error"),
+    (P.check_fp8_grouped_gemm, FP8_GEMM, kernels, "grouped_gemm", _bump_a_value, "relative error"),
+    (P.check_fp8_grouped_gemm, FP8_GEMM, kernels, "grouped_gemm", _write_a_padding_row, "outside the experts' counts"),
+    (P.check_fp8_expert_mlp, dict(FP8_GEMM, swiglu=True, N=144, scale=1e-3), kernels, "expert_mlp", _bump_a_value,
+     "relative error"),
     (P.check_route, ROUTE, bridge, "route_experts", _miscount, "route counts differs"),
     (P.check_permute, ROUTE, bridge, "permute_rows", _bump_a_value, "permuted rows"),
     (P.check_unpermute_reduce, ROUTE, bridge, "unpermute_reduce", _bump_a_value, "relative error"),

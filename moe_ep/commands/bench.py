@@ -12,6 +12,8 @@ Rows (``--kernels``):
 * ``mlp`` — ``expert_mlp`` bf16, ragged ``[S, H]``; peer ``torch._grouped_mm`` (GEMM1, silu*mul, GEMM2 with
   ``offs``), or the torch reference where ``_grouped_mm`` cannot run (the row says so).
 * ``mlp-nvfp4`` — the same with NVFP4 weights (3.5x fewer weight bytes); same bf16 peer.
+* ``mlp-fp8`` — the same with FP8 weights (DeepSeek-V3's 128x128 blocks; the bf16 tokens quantized to FP8 per token
+  inside, W8A8); same bf16 peer; the FLOP floor at ``--peak-flops-fp8``.
 * ``quant`` — ``quantize_nvfp4`` of ``[S, H]``; peer the torch reference.
 * ``bridge`` — route + permute + weighted unpermute-reduce of ``[T, K]`` picks; peer torch (argsort, index_add).
 * ``layer`` — ``MoEEpLayer`` forward per ``--layouts``; the layer is built with L local experts per rank and
@@ -37,7 +39,7 @@ from .common import (PRESETS, add_shape_arguments, dist_setup, dist_teardown, in
                      print_table, progress, versions, write_json)
 from .timing import time_call, time_loop, time_pair
 
-KERNELS = ("mlp", "mlp-nvfp4", "quant", "bridge", "layer")
+KERNELS = ("mlp", "mlp-nvfp4", "mlp-fp8", "quant", "bridge", "layer")
 LAYOUTS = tuple(f"{a.value}-{lay.value}" for a, lay in SUPPORTED_LAYOUTS)
 
 
@@ -50,6 +52,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layouts", default="ll-expert_major,ht-flat", help=f"layer layouts: {','.join(LAYOUTS)}")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="byte ceiling, B/s (H200: 4.8e12)")
     parser.add_argument("--peak-flops", type=float, default=795e12, help="FLOP ceiling, FLOP/s (H200 bf16: 795e12)")
+    parser.add_argument("--peak-flops-fp8", type=float, default=1979e12,
+                        help="FLOP ceiling of the FP8 rows, FLOP/s (H200 dense FP8: 1979e12)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="measuring time per timed function (GPU)")
     parser.add_argument("--out", default="moe-ep-bench", help="output folder for bench.json and bench.png")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, activations and routing (default 0)")
@@ -128,8 +132,8 @@ def _routing(T, K, E, gen, dev):
     return idx.to(dev), (wts / wts.sum(1, keepdim=True)).to(dev)
 
 
-def _weight_bytes(counts, H, I, fp4: bool) -> float:
-    per_elem = 0.5 + 1 / 16 if fp4 else 2.0
+def _weight_bytes(counts, H, I, fp4: bool, fp8: bool = False) -> float:
+    per_elem = 0.5 + 1 / 16 if fp4 else 1 + 4 / 128 ** 2 if fp8 else 2.0
     return int((counts > 0).sum()) * 3 * H * I * per_elem
 
 
@@ -152,6 +156,11 @@ class Bench:
         if "mlp-nvfp4" in args.kernel_list:
             self.q13 = quantize_nvfp4(self.w13, nvfp4_global_scale(self.w13, per_slice=True))
             self.q2 = quantize_nvfp4(self.w2, nvfp4_global_scale(self.w2, per_slice=True))
+        self.f13 = self.f2 = None
+        if "mlp-fp8" in args.kernel_list:
+            from ..kernels.fp8 import FP8_BLOCK, quantize_fp8
+            self.f13 = quantize_fp8(self.w13, FP8_BLOCK, gate_up=True)
+            self.f2 = quantize_fp8(self.w2, FP8_BLOCK)
         self.gmm, self.gmm_note = grouped_mm_peer(dev)
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,18 +201,22 @@ class Bench:
         S = T * K
         from ..kernels import bridge, nvfp4
         note = ""
-        if kernel in ("mlp", "mlp-nvfp4"):
+        peak = args.peak_flops
+        if kernel in ("mlp", "mlp-nvfp4", "mlp-fp8"):
             from ..kernels.grouped_gemm import expert_mlp
             x, counts, offsets = self.slots(T)
-            fp4 = kernel == "mlp-nvfp4"
-            w13, w2 = (self.q13, self.q2) if fp4 else (self.w13, self.w2)
+            fp4, fp8 = kernel == "mlp-nvfp4", kernel == "mlp-fp8"
+            w13, w2 = (self.q13, self.q2) if fp4 else (self.f13, self.f2) if fp8 else (self.w13, self.w2)
             ours = lambda: expert_mlp(x, w13, w2, offsets=offsets)  # noqa: E731
             peer = lambda: torch_mlp(self.gmm, x, self.w13, self.w2, offsets)  # noqa: E731
             peer_name = self.gmm_note if self.gmm is not None else f"torch reference ({self.gmm_note})"
-            nbytes = _weight_bytes(counts, H, I, fp4) + 2 * S * H * 2
+            nbytes = _weight_bytes(counts, H, I, fp4, fp8) + 2 * S * H * 2
             flops = 6.0 * S * H * I
             if fp4:
                 note = "NVFP4 weights vs the bf16 peer (same function up to quantization)"
+            if fp8:
+                note = "FP8 weights and tokens (W8A8) vs the bf16 peer (same function up to quantization)"
+                peak = args.peak_flops_fp8
         elif kernel == "quant":
             x, _, _ = self.slots(T)
             gs = nvfp4.nvfp4_global_scale(x)
@@ -274,7 +287,7 @@ class Bench:
             t_peer = time_call(peer, rep_ms=args.rep_ms)
         else:  # kernels: their GPU time, replayed from a CUDA graph (small rows would time the host otherwise)
             t_ours, t_peer, timing = time_pair(ours, peer, rep_ms=args.rep_ms)
-        floor = max(nbytes / args.bandwidth, flops / args.peak_flops)
+        floor = max(nbytes / args.bandwidth, flops / peak)
         return dict(preset=p.name, kernel=kernel, tokens=T, slots=S, ours_us=t_ours * 1e6, peer_us=t_peer * 1e6,
                     peer=peer_name, speedup=t_peer / t_ours if t_ours else None, bytes=nbytes, flops=flops,
                     floor_us=floor * 1e6, pct_floor=100 * floor / t_ours if t_ours else None,
@@ -365,13 +378,14 @@ def run(args) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     result = dict(versions=versions(), world_size=world, presets=[p.as_dict() for p in presets],
-                  ceilings=dict(bandwidth=args.bandwidth, peak_flops=args.peak_flops), rows=rows)
+                  ceilings=dict(bandwidth=args.bandwidth, peak_flops=args.peak_flops,
+                                peak_flops_fp8=args.peak_flops_fp8), rows=rows)
     write_json(os.path.join(args.out, "bench.json"), result)
     png = plot(rows, os.path.join(args.out, "bench.png"))
     legend: dict = {}
     fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     print_table(f"moe-ep bench ({result['versions']['device']}, world size {world}; floor = max(bytes / "
-                f"{args.bandwidth:.3g} B/s, flops / {args.peak_flops:.3g} FLOP/s))",
+                f"{args.bandwidth:.3g} B/s, flops / {args.peak_flops:.3g} FLOP/s; FP8 rows {args.peak_flops_fp8:.3g}))",
                 ["preset", "kernel", "T", "timing", "ours us", "peer us", "x peer", "floor us", "% floor",
                  "peer % floor", "diff", "peer (see legend)"],
                 [[r["preset"], r["kernel"], r["tokens"], r["timing"], fmt(r["ours_us"]), fmt(r["peer_us"]),

@@ -2,7 +2,8 @@
 
 Shapes per preset (L local experts, hidden H, intermediate I): GEMM1 ``[*, H] x [L, 2I, H]`` with the SwiGLU
 epilogue and GEMM2 ``[*, I] x [L, H, I]``, for each weight format (``--formats``); x is bf16 (NVFP4 x is decoded
-to a bf16 copy before the GEMM, so it runs the same tiles). Token buckets are tokens per expert (``--buckets``): the
+to a bf16 copy before the GEMM, so it runs the same tiles), and FP8 with FP8 weights (GEMM1 with its FP8 output, as
+the FP8 expert MLP runs it; keys of their own: ``config_space.shape_class``). Token buckets are tokens per expert (``--buckets``): the
 tuned-config file's inner key (``moe_ep.kernels.grouped_gemm.config_space.m_bucket``). The rows of a bucket of m
 tokens per expert are spread over the experts as routing spreads them (``--counts routed``, the default: each row's expert drawn at
 random, so counts vary around m), not exactly m each (``--counts uniform``): the best tile height depends on that
@@ -36,7 +37,7 @@ from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_f
                      routed_offsets, uniform_offsets, write_json)
 from .timing import sync, time_call
 
-FORMATS = ("bf16", "nvfp4")
+FORMATS = ("bf16", "nvfp4", "fp8")
 GEMMS = ("gemm1", "gemm2")
 COUNTS = ("routed", "uniform")
 CONFIG_KEYS = config_space.CONFIG_KEYS
@@ -47,7 +48,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
     parser.add_argument("--buckets", default=None,
                         help="tokens-per-expert buckets (default 8,16,...,2048 on a GPU; 8 on the CPU)")
-    parser.add_argument("--formats", default="bf16,nvfp4", help="weight formats: bf16,nvfp4")
+    parser.add_argument("--formats", default="bf16,nvfp4", help="weight formats: bf16,nvfp4,fp8 (default bf16,nvfp4)")
     parser.add_argument("--counts", choices=COUNTS, default="routed",
                         help="rows per expert: routed (drawn at random around the bucket) or uniform (exactly it)")
     parser.add_argument("--gemms", default="gemm1,gemm2", help="which GEMMs: gemm1 (SwiGLU), gemm2")
@@ -76,13 +77,14 @@ def shapes(preset, gemms, formats, buckets) -> list[dict]:
         n, k, swiglu = (I, H, True) if g == "gemm1" else (H, I, False)
         for wf in formats:
             for m in buckets:
-                out.append(dict(preset=preset.name, gemm=g, N=n, K=k, swiglu=swiglu, w_fp4=wf == "nvfp4", bucket=m,
-                                G=preset.local_experts))
+                out.append(dict(preset=preset.name, gemm=g, N=n, K=k, swiglu=swiglu, w_fp4=wf == "nvfp4",
+                                fp8=wf == "fp8", bucket=m, G=preset.local_experts))
     return out
 
 
 def _operands(s, dev, counts: str):
     """Ragged x (``bucket`` rows per expert: exactly, or on average as routed), weights and offsets for shape ``s``."""
+    from ..kernels.fp8 import FP8_BLOCK, quantize_fp8
     from ..kernels.nvfp4 import nvfp4_global_scale, quantize_nvfp4
     G, N, K, m = s["G"], s["N"], s["K"], s["bucket"]
     gen = torch.Generator(device=dev).manual_seed(0)  # generated on the device: weights can be GBs
@@ -90,18 +92,21 @@ def _operands(s, dev, counts: str):
     x = torch.randn(G * m, K, generator=gen, device=dev).to(torch.bfloat16)
     if s["w_fp4"]:
         w = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
+    if s.get("fp8"):
+        x, w = quantize_fp8(x, 1), quantize_fp8(w, FP8_BLOCK, gate_up=s["swiglu"])
     return x, w, (routed_offsets if counts == "routed" else uniform_offsets)(G, m, dev)
 
 
 def tune_shape(s: dict, budget_s: float, rep_ms: float, dev, counts: str = "routed") -> dict:
     """Time each candidate config of shape ``s`` until ``budget_s``; the best and every timing."""
+    fp8 = bool(s.get("fp8"))
     cands = config_space.prune_grouped_gemm_configs(
         config_space.grouped_gemm_configs(), {"M_BUCKET": config_space.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
                                               "G": s["G"], "SWIGLU": s["swiglu"],
-                                              "TMA_OK": not s["w_fp4"] and device_facts.tma_supported()},
-        SWIGLU=s["swiglu"], W_FP4=s["w_fp4"])
+                                              "TMA_OK": not s["w_fp4"] and not fp8 and device_facts.tma_supported()},
+        SWIGLU=s["swiglu"], W_FP4=s["w_fp4"], FP8=fp8, FP8_OUT=fp8 and s["swiglu"])
     x, w, offsets = _operands(s, dev, counts)
-    gemm = dict(offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"])
+    gemm = dict(offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"], quantize_out=fp8 and s["swiglu"])
     t_start, timings, seen, best = time.perf_counter(), [], set(), None
     for c in cands:
         if best is not None and time.perf_counter() - t_start > budget_s:
@@ -152,7 +157,7 @@ def run(args) -> int:
     t0, rows, report, stopped = time.perf_counter(), [], [], False
     with progress("tune", len(todo)) as advance:
         for s in todo:
-            key = config_space.shape_class(s["N"], s["K"], s["w_fp4"], s["swiglu"])
+            key = config_space.shape_class(s["N"], s["K"], s["w_fp4"], s["swiglu"], s["fp8"], s["fp8"] and s["swiglu"])
             label = f"{s['preset']} {s['gemm']} {key} m={s['bucket']}"
             table = tuned_files.load_config_file(path)  # re-read: another process may have added shapes
             if not args.force and str(s["bucket"]) in table.get(key, {}):

@@ -34,6 +34,7 @@ import triton.language as tl
 from ..errors import fail
 from ..triton_runtime import INTERPRETER, check_on_kernel_device
 from . import autotuning, host_math, launch_cache
+from .fp8 import Fp8Tensor
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4, nan_f32
 
 _ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
@@ -291,7 +292,8 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
 
     ``x [M, H]`` (M = ``route.slot.shape[0]``, on the route's device): any float or integer dtype (bf16 tokens, or
     the bytes of packed rows), or an ``NvFp4Tensor`` with linear scales (its packed rows, scales and global
-    scales -- one, or one per row -- are gathered as they are, no requantization). With ``quantize`` a
+    scales -- one, or one per row -- are gathered as they are, no requantization), or an ``Fp8Tensor`` with one
+    scale per row per 128 columns (``block_rows`` 1: codes and scales gathered as they are). With ``quantize`` a
     float x is quantized to NVFP4 on the way (``gather_quantize_nvfp4``; ``nvfp4_global_scale`` None =
     from all of x, on the device; rows past the valid slots are all-zero codes). ``out``: a contiguous
     ``[M*K, H]`` tensor of x's dtype and device to write into (plain gathers only).
@@ -312,8 +314,19 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
         gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
         return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype),
                            gs, torch.Size((N, x.shape[1])))
+    if isinstance(x, Fp8Tensor):
+        x.check("x")
+        if len(x.shape) != 2 or x.block_rows != 1:
+            fail("x", f"Fp8Tensor {tuple(x.shape)} block_rows={x.block_rows}", "an Fp8Tensor [M, H] with block_rows 1")
+        if quantize or out is not None or nvfp4_global_scale is not None:
+            fail("quantize / out / nvfp4_global_scale", (quantize, type(out).__name__,
+                                                          type(nvfp4_global_scale).__name__),
+                 "False / None / None with an Fp8Tensor x (it is gathered as it is)")
+        _check_rows(x.shape[0], M, x.data, route)
+        return Fp8Tensor(_gather(x.data.view(torch.uint8), route).view(torch.float8_e4m3fn),
+                         _gather(x.scales, route), 1)
     if not isinstance(x, torch.Tensor):
-        fail("type(x)", type(x).__name__, "a torch.Tensor [M, H] or an NvFp4Tensor")
+        fail("type(x)", type(x).__name__, "a torch.Tensor [M, H], an NvFp4Tensor or an Fp8Tensor")
     if x.dim() != 2:
         fail("x.dim()", x.dim(), "2 ([M, H])")
     if x.dtype == torch.bool or x.dtype.is_complex:

@@ -28,23 +28,31 @@ BLOCK_ROWS = (1, 128)  # activations, weights
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def fp8_scales_shape(shape, block_rows: int) -> tuple:
+def fp8_scales_shape(shape, block_rows: int, gate_up: bool = False) -> tuple:
     """Shape of the fp32 scales of an FP8 tensor of ``shape [..., R, K]``: ``[..., ceil(R / block_rows),
-    ceil(K / 128)]``."""
+    ceil(K / 128)]``; ``gate_up`` (R = 2I, gate rows then up rows, each half blocked on its own):
+    ``[..., 2 * ceil(I / block_rows), ceil(K / 128)]``."""
     *lead, R, K = shape
-    return (*lead, host_math.cdiv(R, block_rows), host_math.cdiv(K, FP8_BLOCK))
+    rows = 2 * host_math.cdiv(R // 2, block_rows) if gate_up else host_math.cdiv(R, block_rows)
+    return (*lead, rows, host_math.cdiv(K, FP8_BLOCK))
 
 
 @dataclass
 class Fp8Tensor:
     """An FP8 block-scaled tensor: ``data`` float8_e4m3fn ``[..., R, K]``, ``scales`` float32
-    ``fp8_scales_shape(data.shape, block_rows)``, ``block_rows`` 1 (activations) or 128 (weights).
+    ``fp8_scales_shape(data.shape, block_rows, gate_up)``, ``block_rows`` 1 (activations) or 128 (weights).
     Value of element (r, k): ``float(data[..., r, k]) * scales[..., r // block_rows, k // 128]``.
-    The parts are checked against each other when made, and again by every launcher that takes one."""
+
+    ``gate_up`` (an expert MLP's ``w13 [..., 2I, K]``, gate rows then up rows): each half has its own row blocks,
+    so no block straddles gate and up when I % block_rows != 0 (a checkpoint ships gate's and up's scales apart):
+    up row j (data row I + j) takes scale row ``ceil(I / block_rows) + j // block_rows``. Where I is a multiple of
+    block_rows this is the plain layout. The parts are checked against each other when made, and again by every
+    launcher that takes one."""
 
     data: torch.Tensor
     scales: torch.Tensor
     block_rows: int = 1
+    gate_up: bool = False
 
     def __post_init__(self):
         self.check("Fp8Tensor")
@@ -69,7 +77,11 @@ class Fp8Tensor:
             fail(f"{name}.block_rows", self.block_rows, "1 (activations) or 128 (weights)")
         if d.dim() < 2:
             fail(f"{name}.data.shape", tuple(d.shape), "[..., R, K] (at least 2-D)")
-        want = fp8_scales_shape(d.shape, self.block_rows)
+        if self.gate_up is not True and self.gate_up is not False:
+            fail(f"{name}.gate_up", self.gate_up, "True or False")
+        if self.gate_up and d.shape[-2] % 2:
+            fail(f"{name}.data.shape", tuple(d.shape), "[..., 2I, K] (an even number of rows with gate_up)")
+        want = fp8_scales_shape(d.shape, self.block_rows, self.gate_up)
         if tuple(s.shape) != want:
             fail(f"{name}.scales.shape", tuple(s.shape), f"{want} (one per {self.block_rows}x128 block of "
                  f"data {tuple(d.shape)})")
@@ -144,9 +156,12 @@ def _grid(lead: int, R: int, K: int, block_rows: int):
     return (lead * rb, host_math.cdiv(K, FP8_BLOCK)), 128, rb
 
 
-def quantize_fp8(x: torch.Tensor, block_rows: int = 1, *, check_finite: bool = True) -> Fp8Tensor:
+def quantize_fp8(x: torch.Tensor, block_rows: int = 1, *, check_finite: bool = True,
+                 gate_up: bool = False) -> Fp8Tensor:
     """Quantize ``x [..., R, K]`` (bf16/fp16/fp32, on the kernels' device) to FP8 with one scale per
     ``block_rows`` x 128 block (1: activations, per row; 128: weights; blocks never cross the leading dims).
+    ``gate_up``: x is ``[..., 2I, K]``, gate rows then up rows, and each half is blocked on its own (an FP8
+    ``w13``; see :class:`Fp8Tensor`).
 
     NaN/Inf: FP8 E4M3FN has no Inf and its NaN is no number to compute with; with ``check_finite`` (default) a
     non-finite x raises :class:`MoEEpInputError` (one host sync, skipped under CUDA-graph capture); without it,
@@ -158,11 +173,18 @@ def quantize_fp8(x: torch.Tensor, block_rows: int = 1, *, check_finite: bool = T
     check(block_rows in BLOCK_ROWS and not isinstance(block_rows, bool), "block_rows", block_rows,
           "1 (activations) or 128 (weights)")
     check(isinstance(check_finite, bool), "check_finite", check_finite, "True or False")
+    check(isinstance(gate_up, bool), "gate_up", gate_up, "True or False")
+    check(not gate_up or x.shape[-2] % 2 == 0, "x.shape", tuple(x.shape), "[..., 2I, K] (even rows) with gate_up")
     check_on_kernel_device(x, "x")
     if check_finite and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         if not bool(torch.isfinite(x).all()):
             raise MoEEpInputError("x holds NaN or Inf; allowed: finite values (pass check_finite=False to skip "
                                   "this check and get unspecified codes for those blocks)")
+    if gate_up:  # each half on its own: scales of gate's row blocks, then up's
+        half = x.shape[-2] // 2
+        gate, up = (quantize_fp8(h, block_rows, check_finite=False) for h in (x[..., :half, :], x[..., half:, :]))
+        return Fp8Tensor(torch.cat([gate.data, up.data], dim=-2), torch.cat([gate.scales, up.scales], dim=-2),
+                         block_rows, True)
     *lead_dims, R, K = x.shape
     lead = math.prod(lead_dims)
     x2 = x.detach().reshape(-1, K) if K else x.detach().reshape(lead * R, 0)
@@ -183,6 +205,12 @@ def dequantize_fp8(q: Fp8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.T
     check(dtype in _DTYPES, "dtype", dtype, "torch.bfloat16, torch.float16, torch.float32")
     q.check("q")
     check_on_kernel_device(q.data, "q.data")
+    if q.gate_up:
+        half, blocks = q.shape[-2] // 2, q.scales.shape[-2] // 2
+        return torch.cat([dequantize_fp8(Fp8Tensor(q.data[..., :half, :], q.scales[..., :blocks, :], q.block_rows),
+                                         dtype),
+                          dequantize_fp8(Fp8Tensor(q.data[..., half:, :], q.scales[..., blocks:, :], q.block_rows),
+                                         dtype)], dim=-2)
     *lead_dims, R, K = q.shape
     lead = math.prod(lead_dims)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)

@@ -100,14 +100,9 @@ def grouped_gemm():
                     for swap, tma in ((True, False), (False, False), (False, True)):
                         if tma and (w_fp4 or not ragged):
                             continue
-                        sig = {"x_ptr": "*bf16", "xgs_ptr": "*fp32", "XGS_STRIDE": "i32",
-                               "w_ptr": "*u8" if w_fp4 else "*bf16", "ws_ptr": "*u8", "wgs_ptr": "*fp32",
-                               "out_ptr": "*bf16", "rs_ptr": "*fp32", "cnt_ptr": "*i32",
-                               "x_desc": "tensordesc<bf16[128, 64]>", "w_desc": "tensordesc<bf16[128, 64]>",
-                               "ready_ptr": "*i32", "WAIT_BM": "i32", "WAIT_NT": "i32",
-                               "G": "i32", "M_MAX": "i32", "N": "i32", "K": "i32", "S": "i32", "KQ": "i32",
-                               "K16": "i32", "M_BUCKET": "i32"}
+                        sig = dict(_gemm_signature(), w_ptr="*u8" if w_fp4 else "*bf16")
                         const = {"RAGGED": ragged, "W_FP4": w_fp4, "SWIGLU": swiglu, "HAS_RS": has_rs, "BLOCK_G": 32,
+                                 "FP8": False, "FP8_OUT": False,
                                  "X_DECODED": x_dec, "W_DECODED": not (w_fp4 or swiglu),  # decoded NVFP4 copies
                                  "BLOCK_M": 16 if swap else 128, "BLOCK_N": 128 if swap else 128,
                                  "BLOCK_K": 128 if swap else 64, "SWAP_AB": swap, "GROUP_M": 8, "TMA": tma,
@@ -120,6 +115,35 @@ def grouped_gemm():
                         for name in const:
                             sig[name] = "constexpr"
                         checks.append((_gg_kernels._grouped_gemm_kernel, sig, const))
+    return checks + _fp8_gemms()
+
+
+def _gemm_signature() -> dict:
+    """The grouped-GEMM kernel's runtime arguments (bf16 operands; variants change the pointer types)."""
+    return {"x_ptr": "*bf16", "xgs_ptr": "*fp32", "xs_ptr": "*fp32", "XGS_STRIDE": "i32", "w_ptr": "*bf16",
+            "ws_ptr": "*u8", "wgs_ptr": "*fp32", "out_ptr": "*bf16", "os_ptr": "*fp32", "rs_ptr": "*fp32",
+            "cnt_ptr": "*i32", "x_desc": "tensordesc<bf16[128, 64]>", "w_desc": "tensordesc<bf16[128, 64]>",
+            "ready_ptr": "*i32", "WAIT_BM": "i32", "WAIT_NT": "i32", "G": "i32", "M_MAX": "i32", "N": "i32",
+            "K": "i32", "S": "i32", "KQ": "i32", "K16": "i32", "M_BUCKET": "i32"}
+
+
+def _fp8_gemms():
+    """FP8 x FP8 variants (e4m3 bytes, fp32 scales): both layouts; GEMM1 (SwiGLU, FP8 output or bf16) and GEMM2 (row
+    scale); swapped decode tiles and unswapped ones, K steps of 128, 64 and 32; both K load paths and grids."""
+    checks = []
+    for ragged in (False, True):
+        for swiglu, fp8_out in ((True, True), (True, False), (False, False)):
+            for swap, bm, bk in ((True, 16, 128), (False, 64, 64), (False, 128, 32)):
+                sig = dict(_gemm_signature(), x_ptr="*u8", w_ptr="*u8", ws_ptr="*fp32",
+                           out_ptr="*u8" if fp8_out else "*bf16")
+                const = {"RAGGED": ragged, "W_FP4": False, "SWIGLU": swiglu, "HAS_RS": not swiglu, "BLOCK_G": 32,
+                         "FP8": True, "FP8_OUT": fp8_out, "X_DECODED": False, "W_DECODED": False, "BLOCK_M": bm,
+                         "BLOCK_N": 128, "BLOCK_K": bk, "SWAP_AB": swap, "GROUP_M": 8, "TMA": False,
+                         "EVEN_K": ragged != swap, "PERSISTENT": not ragged and swap, "SIGNAL": False, "WAIT": False,
+                         "PDL": False, "x_desc": None, "w_desc": None}
+                for name in const:
+                    sig[name] = "constexpr"
+                checks.append((_gg_kernels._grouped_gemm_kernel, sig, const))
     return checks
 
 

@@ -24,6 +24,10 @@ E4M3 scales are exact in bf16), compared with the fp32 reference on the same (de
 MLP_TOL = 2e-2
 """The expert MLP (two GEMMs): GEMM1's intermediate is also rounded to bf16 before GEMM2."""
 
+FP8_DENSE_TOL = 0.12
+"""The FP8 expert MLP against the dense one on the unquantized operands: x, the weights and the intermediate are each
+rounded to e4m3 once (3 mantissa bits: 2^-4 relative per element at worst, about 2^-5.5 RMS)."""
+
 REDUCE_TOL = 1e-5
 """The weighted unpermute-reduce in fp32: only the order of the fp32 multiply-adds differs."""
 
@@ -161,6 +165,51 @@ def check_grouped_gemm(c: dict, dev, m_hint="case") -> int:
     return x.numel()
 
 
+def check_fp8_grouped_gemm(c: dict, dev) -> None:
+    """``grouped_gemm`` of FP8 x FP8 (x per token, w per 128x128 block) on a :func:`~.strategies.fp8_gemm_cases` case,
+    its forced config (or the plan's) into a poisoned output: within :data:`GEMM_TOL` of the fp32 reference on the
+    dequantized operands (e4m3 products are exact in fp32), rows of no expert left unwritten."""
+    from ..kernels import grouped_gemm
+    from ..reference import grouped_gemm_ref
+    x, idx, valid, rows = S.make_gemm_operands(c, dev)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    n_out = 2 * c["N"] if c["swiglu"] else c["N"]
+    xq, xr = S.fp8_operand(x, 1)
+    wq, wr = S.fp8_operand(S.scaled_values((c["G"], n_out, c["K"]), 0.5, c["zero_frac"], gen).to(dev), 128,
+                           gate_up=c["swiglu"])
+    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
+    out = torch.full((*rows, c["N"]), float("nan"), dtype=torch.bfloat16, device=dev)
+    got = grouped_gemm(xq, wq, **idx, swiglu=c["swiglu"], row_scale=rs, out=out, m_hint=c["m_hint"],
+                       config=c["config"])
+    assert got is out, "grouped_gemm did not return its out= tensor"
+    assert_rel_close(out, grouped_gemm_ref(xr, wr, **idx, swiglu=c["swiglu"], row_scale=rs), valid, GEMM_TOL,
+                     "FP8 grouped_gemm")
+    assert torch.isnan(out[~valid].float()).all(), "FP8 grouped_gemm wrote rows outside the experts' counts"
+
+
+def check_fp8_expert_mlp(c: dict, dev) -> None:
+    """``expert_mlp`` with FP8 weights of a ``fp8_gemm_cases(mlp=True)`` case (bf16 x, quantized per token inside;
+    GEMM1's FP8 output into GEMM2) into a poisoned output: within :data:`MLP_TOL` of ``expert_mlp_fp8_ref`` on the
+    dequantized operands and within :data:`FP8_DENSE_TOL` of the dense MLP on the unquantized ones, rows of no
+    expert left unwritten."""
+    from ..kernels import expert_mlp
+    from ..reference import dequantize_fp8_ref, expert_mlp_fp8_ref, expert_mlp_ref, quantize_fp8_ref
+    H, I = c["K"], c["N"]
+    x, idx, valid, rows = S.make_gemm_operands(c, dev)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    w13, w2 = (S.scaled_values(shape, 0.3, 0.0, gen).to(dev) for shape in ((c["G"], 2 * I, H), (c["G"], H, I)))
+    q13, r13 = S.fp8_operand(w13, 128, gate_up=True)
+    q2, r2 = S.fp8_operand(w2, 128)
+    rs = torch.rand(rows, generator=gen).to(dev) if c["row_scale"] else None
+    out = torch.full((*rows, H), float("nan"), dtype=torch.bfloat16, device=dev)
+    expert_mlp(x, q13, q2, **idx, row_scale=rs, out=out, m_hint=c["m_hint"])
+    xr = dequantize_fp8_ref(*quantize_fp8_ref(x, 1), 1)
+    assert_rel_close(out, expert_mlp_fp8_ref(xr, r13, r2, **idx, row_scale=rs), valid, MLP_TOL, "FP8 expert_mlp")
+    assert_rel_close(out, expert_mlp_ref(x, w13, w2, **idx, row_scale=rs), valid, FP8_DENSE_TOL,
+                     "FP8 expert_mlp against the unquantized operands")
+    assert torch.isnan(out[~valid].float()).all(), "FP8 expert_mlp wrote rows outside the experts' counts"
+
+
 def check_expert_mlp(c: dict, dev) -> None:
     """``expert_mlp`` (GEMM1 + SwiGLU, GEMM2) of a ``gemm_cases(mlp=True)`` case (K = H, N = I) into a poisoned
     output: within :data:`MLP_TOL` on the experts' rows, rows of no expert left unwritten."""
@@ -290,6 +339,8 @@ PROPERTIES = {
     "quantize_tokens": Property(S.quant_cases, check_quantize_tokens),
     "grouped_gemm": Property(S.gemm_cases, check_grouped_gemm),
     "expert_mlp": Property(lambda b: S.gemm_cases(b, mlp=True), check_expert_mlp),
+    "fp8_grouped_gemm": Property(S.fp8_gemm_cases, check_fp8_grouped_gemm),
+    "fp8_expert_mlp": Property(lambda b: S.fp8_gemm_cases(b, mlp=True), check_fp8_expert_mlp),
     "route": Property(S.route_cases, check_route),
     "permute": Property(S.route_cases, check_permute),
     "unpermute_reduce": Property(S.route_cases, check_unpermute_reduce),

@@ -126,6 +126,34 @@ def gemm_operand(t: torch.Tensor, fmt: str, *, per_slice: bool = False):
                        q.global_scale, t.shape), dense
 
 
+def fp8_operand(t: torch.Tensor, block_rows: int, *, gate_up: bool = False):
+    """(Fp8Tensor for the kernel, dense fp32 operand for the reference) of ``t`` quantized to FP8 (``block_rows`` 1:
+    activations, 128: weights; ``gate_up``: a w13's gate and up rows blocked apart)."""
+    from ..kernels.fp8 import quantize_fp8
+    from ..reference import dequantize_fp8_ref
+    q = quantize_fp8(t, block_rows, gate_up=gate_up)
+    return q, dequantize_fp8_ref(q.data, q.scales, block_rows, gate_up)
+
+
+@st.composite
+def fp8_gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
+    """A :func:`gemm_cases` problem with FP8 operands (``x_fmt`` and ``w_fmt`` "fp8"), K and N up to ``16 * k16`` /
+    ``16 * n16`` (past 128 when the bounds allow: a short last scale block), and, for a single GEMM, the tile config
+    to force (None: the plan's own choice), drawn from the configs an FP8 GEMM may take that fit this GPU's shared
+    memory (the MLP's configs are its plan's: GEMM1's must suit its FP8 output)."""
+    from .. import device_facts
+    from ..kernels.grouped_gemm import config_space
+    c = draw(gemm_cases(b, mlp))
+    c.update(x_fmt="fp8", w_fmt="fp8", config=None)
+    if not mlp:
+        limit = device_facts.smem_limit()
+        space = [config_space.config_dict(k) for k in config_space.grouped_gemm_configs()]
+        fits = [k for k in space if not k["TMA"] and config_space.fp8_rule_broken(k, False) is None
+                and (limit is None or config_space.smem_bytes(k, c["swiglu"], False, True) <= limit)]
+        c["config"] = draw(st.sampled_from([None] + fits))
+    return c
+
+
 def make_gemm_operands(c: dict, dev, *, n_rows: int | None = None):
     """(x bf16, index kwargs, valid-row mask, rows shape) of a gemm case; x is masked ``[G, M_max, K]`` or
     ragged ``[S, K]`` with ``pad`` rows that belong to no expert."""

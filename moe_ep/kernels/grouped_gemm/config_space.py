@@ -26,10 +26,26 @@ def m_bucket(m: int) -> int:
     return max(8, host_math.next_power_of_2(max(int(m), 1)))
 
 
-def shape_class(n: int, k: int, w_fp4: bool, swiglu: bool) -> str:
-    """The tuned-config file key of a GEMM shape (tokens-per-expert bucket is the inner key). x is always bf16 in the
-    GEMM (NVFP4 x is decoded to a bf16 copy first); the key still names it, as the files always have."""
+def shape_class(n: int, k: int, w_fp4: bool, swiglu: bool, fp8: bool = False, fp8_out: bool = False) -> str:
+    """The tuned-config file key of a GEMM shape (tokens-per-expert bucket is the inner key). x is bf16 in the GEMM
+    but for FP8 (NVFP4 x is decoded to a bf16 copy first); the key still names it, as the files always have. FP8
+    (both operands) and an FP8 output have keys of their own: their tiles are not bf16's."""
+    if fp8:
+        return f"n{n}_k{k}_xfp8_wfp8{'_swiglu' if swiglu else ''}{'_outfp8' if fp8_out else ''}"
     return f"n{n}_k{k}_xbf16_w{'nvfp4' if w_fp4 else 'bf16'}{'_swiglu' if swiglu else ''}"
+
+
+FP8_BLOCK_K = (32, 64, 128)  # FP8: a K step lies in one 128-wide scale block; e4m3 wgmma takes K >= 32
+
+
+def fp8_rule_broken(cfg: dict, fp8_out: bool) -> str | None:
+    """What an FP8 GEMM's config breaks (None: nothing): BLOCK_K in :data:`FP8_BLOCK_K`; with an FP8 output, BLOCK_N
+    a multiple of 128 (a tile quantizes whole 128-column blocks)."""
+    if cfg["BLOCK_K"] not in FP8_BLOCK_K:
+        return f"BLOCK_K = {cfg['BLOCK_K']}; allowed with FP8 operands: {', '.join(map(str, FP8_BLOCK_K))}"
+    if fp8_out and cfg["BLOCK_N"] % 128:
+        return f"BLOCK_N = {cfg['BLOCK_N']}; allowed with an FP8 output: a multiple of 128"
+    return None
 
 
 def decoded_min_m() -> float:
@@ -60,13 +76,15 @@ def config_dict(cfg: triton.Config) -> dict:
             "num_warps": int(cfg.num_warps), "num_stages": int(cfg.num_stages)}
 
 
-def smem_bytes(meta: dict, swiglu: bool, w_fp4: bool) -> int:
+def smem_bytes(meta: dict, swiglu: bool, w_fp4: bool, fp8: bool = False) -> int:
     """Shared memory one program of a grouped-GEMM config takes, estimated: ``num_stages`` x and weight tiles
-    (NVFP4 weights: the packed codes; unswapped, also one bf16 tile of decoded weights on its way to the MMA). For
-    bf16 weights it matches Triton's sm_90 and sm_100 builds exactly and for NVFP4 it is a little over
-    (tests/test_compile.py holds it between the two; how it did on a GPU: docs/PERF.md)."""
+    (NVFP4 weights: the packed codes; unswapped, also one bf16 tile of decoded weights on its way to the MMA; FP8:
+    one byte an element). For bf16 weights it matches Triton's sm_90 and sm_100 builds exactly and for NVFP4 it is a
+    little over (tests/test_compile.py holds it between the two; how it did on a GPU: docs/PERF.md)."""
     bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
     rows = (2 if swiglu else 1) * meta["BLOCK_N"]
+    if fp8:
+        return meta.get("num_stages", 3) * (bm + rows) * bk + SMEM_SLACK
     total = meta.get("num_stages", 3) * (bm * bk * 2 + (rows * bk // 2 if w_fp4 else rows * bk * 2))
     if w_fp4 and not meta.get("SWAP_AB"):
         total += rows * bk * 2
@@ -93,8 +111,8 @@ def grouped_gemm_configs() -> list[triton.Config]:
     by the tensor cores: large tiles.
     """
     if INTERPRETER:  # one decode-style (swapped), one prefill-style config and its TMA form, blocks as large as
-        return [_gemm(16, 64, 64, True, 1, 4), _gemm(32, 64, 64, False, 1, 4),  # tests allow
-                _gemm(32, 64, 64, False, 1, 4, tma=True)]
+        return [_gemm(16, 64, 64, True, 1, 4), _gemm(32, 64, 64, False, 1, 4),  # tests allow; then FP8's
+                _gemm(32, 64, 64, False, 1, 4, tma=True)] + fp8_only_configs()
     space = []
     for bm in (16, 32):  # decode, swap AB
         for bn, bk in ((64, 128), (64, 256), (128, 128), (128, 256)):
@@ -111,7 +129,29 @@ def grouped_gemm_configs() -> list[triton.Config]:
         space.append(_gemm(bm, bn, bk, False, stages, warps))
     for bn, stages in ((128, 4), (128, 3), (256, 3), (256, 4)):  # prefill, bf16: TMA loads, persistent grid
         space.append(_gemm(128, bn, 64, False, stages, 8, tma=True))
+    return space + fp8_only_configs()
+
+
+def fp8_only_configs() -> list[triton.Config]:
+    """Configs for FP8 shape classes only (the prune keeps them from the others, whose searches and first configs stay
+    as they were): one byte an element leaves room for deeper pipelines at BLOCK_K 128, and an FP8-output GEMM1 needs
+    whole 128-column blocks. FP8 also takes the shared space's configs that obey :func:`fp8_rule_broken`."""
+    if INTERPRETER:  # swapped with whole blocks (decode, FP8 out); unswapped K steps of 32 (4 per scale block)
+        return [_gemm(16, 128, 64, True, 1, 4), _gemm(32, 128, 32, False, 1, 4)]
+    space = [_gemm(bm, 128, 128, True, stages, 4) for bm in (16, 32) for stages in (5, 6)]  # decode, swap AB
+    space += [_gemm(64, 128, 128, True, 4, 4)]  # 33-128 tokens, FP8 out
+    for bm, bn, stages, warps in ((64, 128, 4, 4), (128, 128, 4, 8), (128, 128, 5, 8), (128, 256, 3, 8)):  # prefill
+        space.append(_gemm(bm, bn, 128, False, stages, warps))
     return space
+
+
+def _config_key(c: triton.Config) -> tuple:
+    return tuple(sorted(config_dict(c).items()))
+
+
+@lru_cache(maxsize=1)
+def _fp8_only_keys(interpreter: bool) -> frozenset:
+    return frozenset(_config_key(c) for c in fp8_only_configs())
 
 
 def prune_grouped_gemm_configs(configs, named_args, **kwargs):
@@ -127,6 +167,9 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     decode = m <= DECODE_MAX_M
     swiglu = bool(kwargs.get("SWIGLU", named_args.get("SWIGLU", False)))
     w_fp4 = bool(kwargs.get("W_FP4", named_args.get("W_FP4", False)))
+    fp8 = bool(kwargs.get("FP8", named_args.get("FP8", False)))
+    fp8_out = bool(kwargs.get("FP8_OUT", named_args.get("FP8_OUT", False)))
+    fp8_only = _fp8_only_keys(INTERPRETER)
     right_kind = []  # operand order fit for the shape, before the size filters
     keep = []
     tma_ok = named_args.get("x_desc") is not None or bool(named_args.get("TMA_OK"))
@@ -135,7 +178,9 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         kw = c.kwargs
         if kw.get("TMA") and not tma_ok:
             continue
-        if limit is not None and smem_bytes(config_dict(c), swiglu, w_fp4) > limit:
+        if fp8 and (kw.get("TMA") or fp8_rule_broken(kw, fp8_out)) or not fp8 and _config_key(c) in fp8_only:
+            continue
+        if limit is not None and smem_bytes(config_dict(c), swiglu, w_fp4, fp8) > limit:
             continue  # would not build here: the first-config fallback (MOE_EP_AUTOTUNE=off) must always run
         bm = kw["BLOCK_M"]
         if kw["SWAP_AB"] and not decode:
@@ -166,15 +211,19 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     return keep
 
 
-def first_gemm_config(n: int, k: int, m: int, groups: int, w_fp4: bool, swiglu: bool) -> dict:
+def first_gemm_config(n: int, k: int, m: int, groups: int, w_fp4: bool, swiglu: bool, fp8: bool = False,
+                      fp8_out: bool = False) -> dict:
     """The first config of the space that suits the shape, unbenchmarked: a fuzz run meets thousands of shapes,
     and timing every config of each would cost far more than the checks themselves. (A copy: callers may edit it.)"""
-    return dict(_first_gemm_config(n, k, m_bucket(m), groups, w_fp4, swiglu, options.current().autotune_quick,
-                                   device_facts.smem_limit(), device_facts.sm_count(), INTERPRETER))
+    return dict(_first_gemm_config(n, k, m_bucket(m), groups, w_fp4, swiglu, fp8, fp8_out,
+                                   options.current().autotune_quick, device_facts.smem_limit(),
+                                   device_facts.sm_count(), INTERPRETER))
 
 
 @lru_cache(maxsize=1024)
-def _first_gemm_config(n, k, bucket, groups, w_fp4, swiglu, quick, smem_limit, sm_count, interpreter) -> dict:
+def _first_gemm_config(n, k, bucket, groups, w_fp4, swiglu, fp8, fp8_out, quick, smem_limit, sm_count,
+                       interpreter) -> dict:
     """Keyed by everything the prune reads (the bucket, not the raw m: bounded by the shape classes met)."""
     return config_dict(prune_grouped_gemm_configs(grouped_gemm_configs(), {"M_BUCKET": bucket, "N": n, "K": k,
-                                                                         "G": groups}, SWIGLU=swiglu, W_FP4=w_fp4)[0])
+                                                                         "G": groups}, SWIGLU=swiglu, W_FP4=w_fp4,
+                                                  FP8=fp8, FP8_OUT=fp8_out)[0])

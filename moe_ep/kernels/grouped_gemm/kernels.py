@@ -1,4 +1,5 @@
-"""The grouped GEMM's ``triton.language`` kernel, ``y_g = x_g @ w_g^T``: masked or ragged rows, bf16 or NVFP4 operands.
+"""The grouped GEMM's ``triton.language`` kernel, ``y_g = x_g @ w_g^T``: masked or ragged rows, bf16, NVFP4 or FP8
+operands.
 
 One kernel covers every variant (constexpr flags). A program computes one ``BLOCK_M x BLOCK_N`` output
 tile of one expert. Its expert and row tile come from the device-side counts (masked) or offsets (ragged)
@@ -20,6 +21,13 @@ shuffles, and each thread reads whole vectors of words and 2 scales per row. x f
 on its way to shared memory. From ``config_space.DECODED_MIN_M`` tokens per expert on, weights are decoded into a bf16
 copy too, and bf16 tiles run. (``tl.dot_scaled`` is not used: with e4m3 scales in 16-blocks it crashes Triton 3.6's
 compiler on Hopper; the register path is what runs on Blackwell too.)
+
+FP8 (``FP8``: both operands block-scaled e4m3, DeepSeek-V3's format) feeds e4m3 tiles to ``tl.dot`` (Hopper's FP8
+tensor cores) and applies the scales as DeepGEMM promotes them: each K step's product is summed in fp32 on its own
+and added to the accumulator times x's scale (per row) and w's (per 128 weight rows) of its 128-wide K block
+(BLOCK_K divides 128, so a step never crosses a block). ``FP8_OUT`` (GEMM1 of an FP8 expert MLP) quantizes the fp32
+SwiGLU result per row per 128 columns in the epilogue, as ``quantize_fp8`` does (BLOCK_N a multiple of 128, so a tile
+holds whole blocks), and writes e4m3 codes and fp32 scales instead of bf16 rows.
 
 Decode shapes mostly swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
 BLOCK_N weight rows fill its M slot; their row tiles are up to twice the mean tokens per expert, so that an expert's
@@ -113,6 +121,44 @@ def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4: tl.constexp
 
 
 @triton.jit
+def _accumulate_fp8(acc, xt, w_ptr, ws_ptr, xs_ptr, wrow, srow, x_rows, k0, K, KB, SWAP_AB: tl.constexpr,
+                    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += (x[rows, k0:k0+BLOCK_K] @ w[wrow, k0:k0+BLOCK_K]^T) * xs[rows, kb] * ws[srow, kb], kb = k0 // 128: the
+    step's e4m3 product summed in fp32 on its own, then scaled into the accumulator (x and w are e4m3 bytes; the
+    scales fp32 ``[rows, KB]`` and ``[G * weight row blocks, KB]``)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    w = _load_k(w_ptr + wrow[:, None] * K + kk[None, :], kk[None, :], K, EVEN_K).to(tl.float8e4nv, bitcast=True)
+    part = _mma(tl.zeros_like(acc), xt.to(tl.float8e4nv, bitcast=True), w, SWAP_AB)
+    kb = k0 // 128
+    xs = tl.load(xs_ptr + x_rows * KB + kb)
+    ws = tl.load(ws_ptr + srow * KB + kb)
+    return acc + part * (_as_rows(xs, SWAP_AB) * _as_cols(ws, SWAP_AB))
+
+
+@triton.jit
+def _store_fp8_rows(acc, out_ptr, os_ptr, xrow, rn, rmask, nmask, N, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Store the tile quantized to FP8 per row per 128 columns, by ``quantize_fp8``'s rule (s = amax / 448, 1.0 for
+    an all-zero block, codes e4m3_rne(v / s) saturating, both divisions IEEE): codes ``[rows, N]`` as bytes, scales
+    fp32 ``[rows, ceil(N / 128)]``. The tile's columns past N hold copies of column N - 1 (its weight rows are
+    clamped), which lies in the same 128-block: they leave its amax as it is, and blocks wholly past N are not
+    stored."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    NB: tl.constexpr = BLOCK_N // 128
+    v = tl.reshape(acc, [BLOCK_M, NB, 128])
+    amax = tl.max(tl.abs(v), axis=2)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    s = tl.where(s > 0, s, 1.0)
+    q = tl.reshape(tl.math.div_rn(v, tl.broadcast_to(s[:, :, None], v.shape)), [BLOCK_M, BLOCK_N])
+    tl.store(out_ptr + xrow[:, None] * N + rn[None, :], q.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
+             mask=rmask[:, None] & nmask[None, :])
+    n_blocks = tl.cdiv(N, 128)
+    cb = tl.min(rn, axis=0) // 128 + tl.arange(0, NB)  # the tile's block columns
+    tl.store(os_ptr + xrow[:, None] * n_blocks + cb[None, :], s, mask=rmask[:, None] & (cb < n_blocks)[None, :])
+
+
+@triton.jit
 def _global_scale(acc, acc_up, wgs_ptr, g):
     """NVFP4 weights' global scale: value = e2m1 * s / gs, and the weight tiles hold e2m1 * s / 256 (fp4_tile), so
     the fp32 sums are multiplied once by 256 / gs."""
@@ -128,19 +174,24 @@ def _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, SWAP_AB: tl.conste
 
 
 @triton.jit
-def _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, xrow, rn, rmask, nmask, N, SWIGLU: tl.constexpr,
-                 HAS_RS: tl.constexpr, SWAP_AB: tl.constexpr):
-    """SwiGLU, row scale, bf16 store of the rows and columns that exist."""
+def _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, xrow, rn, rmask, nmask, N, SWIGLU: tl.constexpr,
+                 HAS_RS: tl.constexpr, SWAP_AB: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """SwiGLU, row scale, store of the rows and columns that exist: in out's dtype (bf16; fp32 for tests), or with
+    FP8_OUT quantized to FP8 (codes and scales)."""
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if HAS_RS:
         acc = acc * _as_rows(tl.load(rs_ptr + x_rows), SWAP_AB)
-    ptrs = out_ptr + _as_rows(xrow * N, SWAP_AB) + _as_cols(rn, SWAP_AB)
-    tl.store(ptrs, acc.to(tl.bfloat16), mask=_as_rows(rmask, SWAP_AB) & _as_cols(nmask, SWAP_AB))
+    if FP8_OUT:
+        _store_fp8_rows(acc, out_ptr, os_ptr, xrow, rn, rmask, nmask, N, SWAP_AB, BLOCK_M, BLOCK_N)
+    else:
+        ptrs = out_ptr + _as_rows(xrow * N, SWAP_AB) + _as_cols(rn, SWAP_AB)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=_as_rows(rmask, SWAP_AB) & _as_cols(nmask, SWAP_AB))
 
 
 @triton.jit
-def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S,
+def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S,
                RAGGED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, X_DECODED: tl.constexpr,
                W_DECODED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -171,14 +222,15 @@ def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, rs_ptr, cn
             acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
         if X_DECODED:
             acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, False)
-        _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU, HAS_RS,
-                     False)
+        _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU,
+                     HAS_RS, False, False, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _pointer_tiles(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr, WAIT_BM,
-                   WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED: tl.constexpr, W_FP4: tl.constexpr,
-                   X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr,
+def _pointer_tiles(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr,
+                   ready_ptr, WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED: tl.constexpr, W_FP4: tl.constexpr,
+                   X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, FP8: tl.constexpr, FP8_OUT: tl.constexpr,
+                   SWIGLU: tl.constexpr, HAS_RS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SIGNAL: tl.constexpr,
                    WAIT: tl.constexpr, PERSISTENT: tl.constexpr):
@@ -192,24 +244,27 @@ def _pointer_tiles(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, 
         for t_lin in tl.range(tl.program_id(0), tiles_m * n_tiles, tl.num_programs(0)):
             t, pid_n = group_order(t_lin, tiles_m, n_tiles, GROUP_M)
             g, tile, count, row0 = tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
-            _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM,
-                          WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4, X_DECODED, W_DECODED,
-                          SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
+            _pointer_tile(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr,
+                          ready_ptr, WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4, X_DECODED,
+                          W_DECODED, FP8, FP8_OUT, SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL,
+                          WAIT)
     else:
         t, pid_n = group_order(tl.program_id(0), row_tile_slots(G, M_MAX, S, RAGGED, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                GROUP_M)
         tiles, ends, cnt, lo = expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
         if t < tl.sum(tiles):
             g, tile, count, row0 = tile_expert(t, tiles, ends, cnt, lo, BLOCK_G)
-            _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM,
-                          WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4, X_DECODED, W_DECODED,
-                          SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL, WAIT)
+            _pointer_tile(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr,
+                          ready_ptr, WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4, X_DECODED,
+                          W_DECODED, FP8, FP8_OUT, SWIGLU, HAS_RS, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, SIGNAL,
+                          WAIT)
 
 
 @triton.jit
-def _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, ready_ptr, WAIT_BM, WAIT_NT,
-                  N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4: tl.constexpr, X_DECODED: tl.constexpr,
-                  W_DECODED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _pointer_tile(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, ready_ptr,
+                  WAIT_BM, WAIT_NT, N, K, KQ, K16, g, tile, count, row0, pid_n, W_FP4: tl.constexpr,
+                  X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, FP8: tl.constexpr, FP8_OUT: tl.constexpr,
+                  SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                   SIGNAL: tl.constexpr, WAIT: tl.constexpr):
     """Output tile (row tile ``tile`` of expert g, whose ``count`` rows start at ``row0``; column tile pid_n)."""
@@ -228,6 +283,12 @@ def _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, r
     R: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     if SWIGLU:  # gate row i and its up row (N further down) interleaved: one dot per K step, and the [*, 2I]
         wrow = tl.reshape(tl.join(wrow, wrow + N), [R])  # intermediate is never written
+    if FP8:  # each weight row's scale row: gate's row blocks, then up's (Fp8Tensor.gate_up)
+        n_blocks = tl.cdiv(N, 128)
+        srow = g.to(tl.int64) * (2 * n_blocks if SWIGLU else n_blocks) + tl.minimum(rn, N - 1) // 128
+        if SWIGLU:
+            srow = tl.reshape(tl.join(srow, srow + n_blocks), [R])
+        KB = tl.cdiv(K, 128)
 
     if SWAP_AB:
         acc = tl.zeros([R, BLOCK_M], dtype=tl.float32)
@@ -235,9 +296,13 @@ def _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, r
         acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         xt = _load_x_cols(x_ptr, x_rows, k0 + tl.arange(0, BLOCK_K), K, SWAP_AB, EVEN_K)
-        if W_FP4 and SWAP_AB:
-            xt = dot_k_order(xt, BLOCK_K, True)
-        acc = _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4, SWAP_AB, EVEN_K, R, BLOCK_K)
+        if FP8:
+            acc = _accumulate_fp8(acc, xt, w_ptr, ws_ptr, xs_ptr, wrow, srow, x_rows, k0, K, KB, SWAP_AB, EVEN_K,
+                                  BLOCK_K)
+        else:
+            if W_FP4 and SWAP_AB:
+                xt = dot_k_order(xt, BLOCK_K, True)
+            acc = _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4, SWAP_AB, EVEN_K, R, BLOCK_K)
     if SWIGLU:
         if SWAP_AB:
             acc, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
@@ -252,7 +317,8 @@ def _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, r
         acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, SWAP_AB)
     if WAIT:
         rmask = rmask & ready
-    _finish_tile(acc, acc_up, out_ptr, rs_ptr, x_rows, xrow, rn, rmask, nmask, N, SWIGLU, HAS_RS, SWAP_AB)
+    _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, xrow, rn, rmask, nmask, N, SWIGLU, HAS_RS, SWAP_AB,
+                 FP8_OUT, BLOCK_M, BLOCK_N)
     if SIGNAL:
         tile_done(ready_ptr, g)
 
@@ -262,9 +328,12 @@ def _pointer_tile(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, r
 @triton.jit(do_not_specialize=["G", "M_MAX", "S", "M_BUCKET", "XGS_STRIDE", "WAIT_BM", "WAIT_NT"])
 def _grouped_gemm_kernel(
         x_ptr, xgs_ptr,  # x: bf16 [rows, K]; X_DECODED: NVFP4 x's decoded copy, and its fp32 global scale(s)
+        xs_ptr,  # FP8: x is e4m3 bytes [rows, K] and these its fp32 scales [rows, ceil(K / 128)]
         XGS_STRIDE,  # 0: one global scale for x; 1: one per row (tokens keep their source rank's scale)
-        w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]
-        out_ptr, rs_ptr,  # out bf16 [rows, N]; row scale fp32 [rows]
+        w_ptr, ws_ptr, wgs_ptr,  # w: bf16 [G, NW, K] or packed [G, NW, K/2] + scales [G, NW, K/16] + gs [G]; FP8: e4m3
+        # bytes [G, NW, K] + fp32 scales [G, NW / 128 blocks (gate's, then up's), ceil(K / 128)]
+        out_ptr, os_ptr, rs_ptr,  # out [rows, N] (bf16, fp32; FP8_OUT: e4m3 bytes + fp32 scales [rows, N / 128
+        # blocks]); row scale fp32 [rows]
         cnt_ptr,  # masked: counts [G]; ragged: offsets [G+1]
         x_desc, w_desc,  # TMA descriptors of bf16 x [rows, K] and w [G * NW, K] (None where TMA is not possible)
         ready_ptr, WAIT_BM, WAIT_NT,  # GEMM1 -> GEMM2 chain (chain.py): tiles done per expert; GEMM1's tiling
@@ -273,24 +342,28 @@ def _grouped_gemm_kernel(
         M_BUCKET,  # autotune key only
         RAGGED: tl.constexpr, W_FP4: tl.constexpr,
         X_DECODED: tl.constexpr, W_DECODED: tl.constexpr,  # bf16 copies of NVFP4 x / w (fp4_decode.decode_nvfp4)
+        FP8: tl.constexpr, FP8_OUT: tl.constexpr,  # FP8 x and w; FP8 output (GEMM1 of an FP8 expert MLP)
         SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
         GROUP_M: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr,
         SIGNAL: tl.constexpr, WAIT: tl.constexpr, PDL: tl.constexpr):  # chain.py: GEMM1 counts, GEMM2 waits
     allow_dependents(PDL, SIGNAL)
+    tl.static_assert(not (FP8 and (W_FP4 or X_DECODED or W_DECODED)), "FP8 operands are FP8 both")
+    tl.static_assert(not FP8_OUT or (FP8 and SWIGLU and BLOCK_N % 128 == 0), "FP8 out: FP8 GEMM1, whole blocks")
     if TMA:
         tl.static_assert(not (SIGNAL or WAIT), "the GEMM chain is for decode shapes, which have no TMA tiles")
-        _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S, RAGGED,
-                   SWIGLU, HAS_RS, X_DECODED, W_DECODED, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        tl.static_assert(not FP8, "FP8 tiles come by pointer loads")
+        _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S,
+                   RAGGED, SWIGLU, HAS_RS, X_DECODED, W_DECODED, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
-        _pointer_tiles(x_ptr, xgs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, rs_ptr, cnt_ptr, ready_ptr, WAIT_BM,
-                       WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, W_FP4, X_DECODED, W_DECODED,
-                       SWIGLU, HAS_RS, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K, SIGNAL, WAIT,
-                       PERSISTENT)
+        _pointer_tiles(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr,
+                       ready_ptr, WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, W_FP4, X_DECODED, W_DECODED,
+                       FP8, FP8_OUT, SWIGLU, HAS_RS, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, EVEN_K,
+                       SIGNAL, WAIT, PERSISTENT)
     finish_dependent(PDL, WAIT)
 
 
-_KEY = ["M_BUCKET", "N", "K", "RAGGED", "W_FP4", "SWIGLU", "HAS_RS"]
+_KEY = ["M_BUCKET", "N", "K", "RAGGED", "W_FP4", "FP8", "FP8_OUT", "SWIGLU", "HAS_RS"]
 launch_kernel = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
                                    "PERSISTENT": lambda a: schedule.persistent_grid(a)})(_grouped_gemm_kernel)
 """The kernel with EVEN_K and PERSISTENT derived from its arguments: launched with a chosen config."""

@@ -15,6 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...errors import check, fail
 from ...triton_runtime import check_on_kernel_device
 from .. import host_math, launch_cache
+from ..fp8 import FP8_BLOCK, Fp8Tensor, fp8_scales_shape, quantize_fp8
 from ..nvfp4 import NvFp4Tensor
 from . import config_space, kernels, schedule
 from . import plan as plans
@@ -38,11 +39,13 @@ class _Call:
     wgs: torch.Tensor | None
     wshape: tuple
     w_fp4: bool
+    fp8: bool  # x and w both FP8 (xs, ws: their fp32 scales)
+    quantize_out: bool  # the epilogue writes FP8 (out is an Fp8Tensor)
     idx: torch.Tensor
     ragged: bool
     swiglu: bool
     row_scale: torch.Tensor | None
-    out: torch.Tensor
+    out: torch.Tensor | Fp8Tensor  # an Fp8Tensor when the epilogue quantizes (quantize_out)
     G: int
     N: int
     K: int
@@ -53,7 +56,8 @@ class _Call:
 
 def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                  swiglu: bool = False, row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 m_hint: int | None = None, config: dict | None = None, return_plan: bool = False):
+                 m_hint: int | None = None, config: dict | None = None, return_plan: bool = False,
+                 quantize_out: bool = False):
     """Grouped GEMM ``y_g = x_g @ w_g^T`` per expert g, fp32 accumulation, bf16 output.
 
     Layouts (exactly one of ``counts`` / ``offsets``, int32/int64 on x's device; no host sync, so the call
@@ -73,19 +77,27 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
     ``x``: bf16, or an :class:`NvFp4Tensor` (linear scales; one global scale, or one per row as
     received NVFP4 tokens carry their source rank's). ``w``: bf16 ``[G, N, K]``,
     or an NvFp4Tensor of that shape (linear scales, global scale ``[G]``, one per expert). K % 16 == 0.
+    FP8 (DeepSeek-V3's block-scaled e4m3, docs/DESIGN.md): ``x`` an :class:`Fp8Tensor` with ``block_rows`` 1
+    (scales ``[..., ceil(K / 128)]`` per row) and ``w`` one with ``block_rows`` 128 (scales ``[G, ceil(N / 128),
+    ceil(K / 128)]``; with ``swiglu``, gate's row blocks then up's: ``gate_up=True``, ``[G, 2 * ceil(I / 128),
+    ceil(K / 128)]``). FP8 x goes with FP8 w only: any other pairing with an FP8 operand raises MoEEpInputError
+    (quantize bf16 x with ``quantize_fp8(x, 1)``; :func:`expert_mlp` does so itself). ``quantize_out`` (FP8 with
+    ``swiglu`` only): the epilogue writes the fp32 SwiGLU result quantized per row per 128 columns, as
+    ``quantize_fp8`` does (``reference.swiglu_fp8_ref``), and returns an Fp8Tensor (``block_rows`` 1) instead of
+    bf16; ``out`` must be None then.
     NVFP4 x is decoded into a transient bf16 copy first (as large as bf16 x; masked: only the rows within the
     counts are decoded), and so are NVFP4 weights from 512 tokens per expert on (``MOE_EP_DECODED_MIN_M``: another
     bucket, or off); the GEMM then multiplies bf16 tiles: faster than decoding in every tile that reads them.
     ``swiglu`` (bool): w holds gate rows then up rows (``[G, 2I, K]``) and the result is ``silu(gate) * up``,
     ``[*, I]``, without the ``[*, 2I]`` intermediate ever being written. ``row_scale``: float32, one factor
     per row of x (``[G, M_max]`` / ``[S]``), applied to the output row (the routing weight).
-    ``out``: optional bf16 contiguous output to write into. ``m_hint``: expected tokens per expert (a positive
-    int), to pick the tuned config (default: M_max when masked, ceil(S / G) when ragged).
+    ``out``: optional bf16 (or, for tests of the fp32 epilogue, float32) contiguous output to write into.
+    ``m_hint``: expected tokens per expert (a positive int), to pick the tuned config (default: M_max when masked, ceil(S / G) when ragged).
     ``config``: a tile config to launch instead of choosing one (``moe-ep tune``; the tuned-file schema).
     ``return_plan``: return ``(out, plan)``, the :class:`GemmPlan` of what was launched (an autotuned config
     included). Bad arguments raise MoEEpInputError, a bad config MoEEpConfigError.
     """
-    call = _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint)
+    call = _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out)
     p = _plan(call, None, config)
     p = _launch(call, p, None)
     return (call.out, p) if return_plan else call.out
@@ -93,12 +105,12 @@ def grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Ten
 
 def plan_grouped_gemm(x, w, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                       swiglu: bool = False, row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      m_hint: int | None = None, config: dict | None = None) -> GemmPlan:
+                      m_hint: int | None = None, config: dict | None = None, quantize_out: bool = False) -> GemmPlan:
     """The :class:`GemmPlan` :func:`grouped_gemm` would launch with these arguments, without launching (the same
     checks and errors; an autotuned config is None here: it is picked at the launch)."""
     if out is None:  # the plan does not depend on the output buffer: no need to allocate one
         out = _NO_OUT
-    return _plan(_check(x, w, counts, offsets, swiglu, row_scale, out, m_hint), None, config)
+    return _plan(_check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out), None, config)
 
 
 _NO_OUT = object()
@@ -110,44 +122,56 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
     """Expert SwiGLU MLP ``(silu(x W1^T) * (x W3^T)) W2^T`` per expert: two grouped GEMMs, bf16 in between.
 
     ``w13 [G, 2I, H]`` (gate rows then up rows) and ``w2 [G, H, I]``: bf16 tensors or NvFp4Tensors (global
-    scale per expert). ``x``, ``counts`` / ``offsets`` (and their clamping), ``row_scale`` (applied to the output of
-    the second GEMM), ``out`` and ``m_hint`` as in :func:`grouped_gemm`. Returns bf16 ``[G, M_max, H]`` (masked;
-    rows past the counts untouched) or ``[S, H]`` (ragged); with ``return_plan``, ``(out, (plan1, plan2))``.
+    scale per expert), or Fp8Tensors (``block_rows`` 128; w13 with gate's row blocks then up's, ``gate_up``). ``x``,
+    ``counts`` / ``offsets`` (and their clamping), ``row_scale`` (applied to the output of the second GEMM), ``out``
+    and ``m_hint`` as in :func:`grouped_gemm`. Returns bf16 ``[G, M_max, H]`` (masked; rows past the counts
+    untouched) or ``[S, H]`` (ragged); with ``return_plan``, ``(out, (plan1, plan2))``.
+
+    FP8 weights: x is an Fp8Tensor (``block_rows`` 1), or bf16, which is quantized here per token per 128 channels
+    (``quantize_fp8(x, 1, check_finite=False)``: a row's codes depend on that row alone, so garbage rows past the
+    counts touch nothing). GEMM1 writes its SwiGLU result as FP8 (``quantize_out``), which GEMM2 multiplies by w2.
 
     Decode-sized calls (up to 32 tokens per expert) with bf16 weights chain the two GEMMs: GEMM2 starts on an expert
     as soon as GEMM1 has finished that expert's tiles (``chain.py``; ``MOE_EP_GEMM_CHAIN=off`` turns it off).
     """
-    shape13 = tuple(w13.shape) if isinstance(w13, (torch.Tensor, NvFp4Tensor)) else None
-    shape2 = tuple(w2.shape) if isinstance(w2, (torch.Tensor, NvFp4Tensor)) else None
+    shape13 = tuple(w13.shape) if isinstance(w13, (torch.Tensor, NvFp4Tensor, Fp8Tensor)) else None
+    shape2 = tuple(w2.shape) if isinstance(w2, (torch.Tensor, NvFp4Tensor, Fp8Tensor)) else None
     check(shape13 is not None and len(shape13) == 3, "w13.shape", shape13, "[G, 2I, H]")
     check(shape2 is not None and len(shape2) == 3, "w2.shape", shape2, "[G, H, I]")
     G, I2, H = shape13
     if shape2 != (G, H, I2 // 2):
         fail("w2.shape", shape2, f"{(G, H, I2 // 2)} (from w13 {shape13})")
     _check_m_hint(m_hint)
+    fp8 = isinstance(w13, Fp8Tensor)
+    if fp8 != isinstance(w2, Fp8Tensor):
+        fail("(type(w13), type(w2))", (type(w13).__name__, type(w2).__name__), "both Fp8Tensors, or neither")
+    if fp8 and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() in (2, 3):
+        check_on_kernel_device(x, "x")
+        x = quantize_fp8(x, 1, check_finite=False)  # per token: garbage rows past the counts touch no other row
     # bf16 weights at decode shapes: GEMM2 waits for GEMM1's tiles expert by expert, not for all of GEMM1 (chain.py).
     # Not prefill and not NVFP4 weights: neither waits on DRAM (docs/PERF.md). Not as a dependent launch when out
     # shares memory with x: GEMM2 would write it while GEMM1 still reads other experts' rows.
-    xshape = tuple(x.shape) if isinstance(x, (torch.Tensor, NvFp4Tensor)) else ()
+    xshape = tuple(x.shape) if isinstance(x, (torch.Tensor, NvFp4Tensor, Fp8Tensor)) else ()
     decode = len(xshape) in (2, 3) and G >= 1 and \
         m_bucket(_tokens_per_expert(xshape, offsets is not None, G, m_hint)) <= DECODE_MAX_M
     chained = decode and isinstance(w13, torch.Tensor) and chain_enabled()
     first = Link(pdl=dependent_launch_supported()) if chained else None
-    call1 = _check(x, w13, counts, offsets, True, None, None, m_hint)
+    call1 = _check(x, w13, counts, offsets, True, None, None, m_hint, fp8)
     p1 = _launch(call1, _plan(call1, first, None), first)
     h = call1.out
     second = None
     if first is not None and p1.config is not None:  # chained, and GEMM1 had rows
         second = Link(first.ready, (p1.config["BLOCK_M"], host_math.cdiv(I2 // 2, p1.config["BLOCK_N"])),
                       first.pdl and not _shares_memory(out, x))
-    call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint)
+    call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint, False)
     p2 = _launch(call2, _plan(call2, second, None), second)
     return (call2.out, (p1, p2)) if return_plan else call2.out
 
 
 def _plan(call: _Call, link: Link | None, config: dict | None) -> GemmPlan:
     chain = "none" if link is None else ("counts" if link.wait is None else "waits")
-    return plans.decide(ragged=call.ragged, x_fp4=call.x_fp4, w_fp4=call.w_fp4, swiglu=call.swiglu,
+    return plans.decide(ragged=call.ragged, x_fp4=call.x_fp4, w_fp4=call.w_fp4, fp8=call.fp8,
+                        fp8_out=call.quantize_out, swiglu=call.swiglu,
                         row_scale=call.row_scale is not None, G=call.G, N=call.N, K=call.K, M_max=call.M_max,
                         S=call.S, m=call.m, chain=chain, pdl=link is not None and link.pdl, config=config)
 
@@ -167,8 +191,11 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
         wd = wd if wd.data_ptr() % 16 == 0 else wd.clone()
     dummy = xd
     xgs_stride = int(c.x_fp4 and c.xgs.numel() > 1)  # per-row global scales (received NVFP4 tokens)
-    args = (xd, c.xgs if p.x_decoded else dummy, xgs_stride, wd, c.ws if w_tiles_fp4 else dummy,
-            c.wgs if c.w_fp4 else dummy, c.out, c.row_scale if c.row_scale is not None else dummy, c.idx)
+    fp8_out = c.quantize_out
+    out, out_scales = (c.out.data.view(torch.uint8), c.out.scales) if fp8_out else (c.out, dummy)
+    args = (xd, c.xgs if p.x_decoded else dummy, c.xs if c.fp8 else dummy, xgs_stride, wd,
+            c.ws if w_tiles_fp4 or c.fp8 else dummy, c.wgs if c.w_fp4 else dummy, out, out_scales,
+            c.row_scale if c.row_scale is not None else dummy, c.idx)
     ragged, G, M_max, S, N, swiglu = c.ragged, c.G, c.M_max, c.S, c.N, c.swiglu
 
     def programs(meta):
@@ -178,13 +205,14 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
         return (TensorDescriptor.from_tensor(xd.view(-1, K), [16, 32]),
                 TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32]))
 
-    flags = dict(RAGGED=ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, SWIGLU=swiglu,
+    flags = dict(RAGGED=ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, FP8=c.fp8,
+                 FP8_OUT=fp8_out, SWIGLU=swiglu,
                  HAS_RS=c.row_scale is not None, BLOCK_G=max(host_math.next_power_of_2(G), 2),
                  SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
     chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
     if link is not None:
         if link.ready is None:
-            link.ready = torch.zeros(G, dtype=torch.int32, device=c.out.device)
+            link.ready = torch.zeros(G, dtype=torch.int32, device=out.device)
         chain_args = (link.ready, *(link.wait or (1, 1)))
         link.pdl = p.pdl  # timed configs run one after another: a searched GEMM1 is followed by a plain launch
         link.launched = args
@@ -202,19 +230,27 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     return plans.autotuned(p, config_space.config_dict(best) if best is not None else None)
 
 
-def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint) -> _Call:
+def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=False) -> _Call:
     """The call's arguments checked (MoEEpInputError naming the argument, its value and what is allowed) and made
-    contiguous; ``out`` allocated when None."""
+    contiguous; ``out`` allocated when None (an Fp8Tensor with ``quantize_out``)."""
     check((counts is None) != (offsets is None), "(counts, offsets)",
           ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
           "exactly one of counts (masked layout) or offsets (ragged layout)")
     if type(swiglu) is not bool:
         fail("swiglu", swiglu, "True or False")
+    if type(quantize_out) is not bool:
+        fail("quantize_out", quantize_out, "True or False")
     _check_m_hint(m_hint)
     ragged = offsets is not None
-    xd, xs, xgs, xshape, x_fp4 = _operand(x, "x", 2 if ragged else 3,
+    xd, xs, xgs, xshape, x_fmt = _operand(x, "x", 2 if ragged else 3,
                                           "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
-    wd, ws, wgs, wshape, w_fp4 = _operand(w, "w", 3, "[G, N, K]")
+    wd, ws, wgs, wshape, w_fmt = _operand(w, "w", 3, "[G, N, K]")
+    x_fp4, w_fp4, fp8 = x_fmt == "nvfp4", w_fmt == "nvfp4", x_fmt == "fp8"
+    if "fp8" in (x_fmt, w_fmt) and x_fmt != w_fmt:
+        fail("(x, w) formats", (x_fmt, w_fmt), "both FP8 (Fp8Tensors), or neither: quantize a bf16 x with "
+             "quantize_fp8(x, 1); FP8 does not pair with NVFP4 or bf16 weights")
+    if wd.device != xd.device:
+        fail("w.device", str(wd.device), f"{xd.device} (x's device)")
     G, NW, K = wshape
     check(G >= 1, "w.shape[0] (G)", G, ">= 1")
     check(K >= 16 and K % 16 == 0, "w.shape[2] (K)", K, "a positive multiple of 16")
@@ -222,6 +258,10 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint) -> _Call:
         fail("x.shape[-1]", xshape[-1], f"{K} (w's K)")
     check(NW >= 1 and (not swiglu or NW % 2 == 0), "w.shape[1] (N)", NW,
           "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
+    if quantize_out and not (fp8 and swiglu):
+        fail("quantize_out", quantize_out, "False unless x and w are FP8 and swiglu is True")
+    if fp8:
+        _check_fp8(x, w, swiglu)
     dev = xd.device
     if x_fp4:
         n_rows = xd.numel() // (K // 2)
@@ -251,17 +291,23 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint) -> _Call:
         if row_scale.device != dev:
             fail("row_scale.device", str(row_scale.device), str(dev))
         row_scale = row_scale.contiguous()
-    if out is None:
+    if quantize_out and out is not _NO_OUT:
+        if out is not None:
+            fail("out", type(out).__name__, "None with quantize_out (a new Fp8Tensor is returned)")
+        shape = (*rows_shape, N)
+        out = Fp8Tensor(torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev),
+                        torch.empty(fp8_scales_shape(shape, 1), dtype=torch.float32, device=dev), 1)
+    elif out is None:
         out = torch.empty(*rows_shape, N, dtype=torch.bfloat16, device=dev)
     elif out is not _NO_OUT:
-        check(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16, "out.dtype",
-              getattr(out, "dtype", type(out).__name__), "torch.bfloat16")
+        check(isinstance(out, torch.Tensor) and out.dtype in (torch.bfloat16, torch.float32), "out.dtype",
+              getattr(out, "dtype", type(out).__name__), "torch.bfloat16 (or torch.float32)")
         if tuple(out.shape) != (*rows_shape, N):
             fail("out.shape", tuple(out.shape), str((*rows_shape, N)))
         if out.device != dev or not out.is_contiguous():
             fail("out", f"{out.device}, contiguous={out.is_contiguous()}", f"a contiguous tensor on {dev}")
-    return _Call(xd, xs, xgs, xshape, x_fp4, wd, ws, wgs, wshape, w_fp4, idx, ragged, swiglu, row_scale, out, G, N, K,
-                 M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
+    return _Call(xd, xs, xgs, xshape, x_fp4, wd, ws, wgs, wshape, w_fp4, fp8, quantize_out, idx, ragged, swiglu,
+                 row_scale, out, G, N, K, M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
 
 
 def _check_m_hint(m_hint) -> None:
@@ -269,8 +315,26 @@ def _check_m_hint(m_hint) -> None:
         fail("m_hint", m_hint, "None or a positive int (expected tokens per expert)")
 
 
+def _check_fp8(x: Fp8Tensor, w: Fp8Tensor, swiglu: bool) -> None:
+    """FP8 operands against each other: x per token (block_rows 1), w per 128x128 block with the scale layout its
+    rows need (each Fp8Tensor's parts were checked against its own shape already)."""
+    if x.block_rows != 1:
+        fail("x.block_rows", x.block_rows, "1 (FP8 activations: one scale per row per 128 columns)")
+    if w.block_rows != FP8_BLOCK:
+        fail("w.block_rows", w.block_rows, f"{FP8_BLOCK} (FP8 weights: one scale per 128x128 block)")
+    NW = w.shape[1]
+    if swiglu:  # gate's row blocks then up's (Fp8Tensor.gate_up; the plain layout where I % 128 == 0)
+        want = fp8_scales_shape(w.shape, FP8_BLOCK, gate_up=True)
+        if tuple(w.scales.shape) != want:
+            fail("w.scales.shape", tuple(w.scales.shape), f"{want}: gate's row blocks then up's, with swiglu "
+                 "(an Fp8Tensor with gate_up=True)")
+    elif w.gate_up and (NW // 2) % FP8_BLOCK:
+        fail("w.gate_up", True, f"False without swiglu (or N / 2 a multiple of {FP8_BLOCK})")
+
+
 def _operand(t, name: str, dims: int, what: str):
-    """(data, scales bytes, global scale, logical shape, is_fp4) of a bf16 tensor or an NvFp4Tensor."""
+    """(data, scales, global scale, logical shape, format) of a bf16 tensor, an NvFp4Tensor (scales as bytes) or an
+    Fp8Tensor (e4m3 data as bytes, fp32 scales); format "bf16", "nvfp4" or "fp8"."""
     if isinstance(t, NvFp4Tensor):  # (messages are built only on failure: this runs on every call)
         t.check(name)  # the parts agree with the shape and with each other
         if t.swizzled:
@@ -280,15 +344,22 @@ def _operand(t, name: str, dims: int, what: str):
             fail(f"{name}.shape", shape, what)
         check_on_kernel_device(t.data, f"{name}.data")  # (check() put every part on one device)
         return (t.data.contiguous(), t.scales.contiguous().view(torch.uint8), t.global_scale.reshape(-1).contiguous(),
-                shape, True)
+                shape, "nvfp4")
+    if isinstance(t, Fp8Tensor):
+        t.check(name)
+        shape = tuple(t.shape)
+        if len(shape) != dims:
+            fail(f"{name}.shape", shape, what)
+        check_on_kernel_device(t.data, f"{name}.data")
+        return t.data.contiguous().view(torch.uint8), t.scales.contiguous(), None, shape, "fp8"
     if not isinstance(t, torch.Tensor):
-        fail(f"type({name})", type(t).__name__, "a bf16 torch.Tensor or an NvFp4Tensor")
+        fail(f"type({name})", type(t).__name__, "a bf16 torch.Tensor, an NvFp4Tensor or an Fp8Tensor")
     if t.dtype != torch.bfloat16:
-        fail(f"{name}.dtype", t.dtype, "torch.bfloat16 (or an NvFp4Tensor)")
+        fail(f"{name}.dtype", t.dtype, "torch.bfloat16 (or an NvFp4Tensor, an Fp8Tensor)")
     if t.dim() != dims:
         fail(f"{name}.shape", tuple(t.shape), what)
     check_on_kernel_device(t, name)
-    return t.contiguous(), None, None, tuple(t.shape), False
+    return t.contiguous(), None, None, tuple(t.shape), "bf16"
 
 
 def _index(t, name: str, length: int, dev) -> torch.Tensor:
@@ -310,6 +381,6 @@ def _tokens_per_expert(xshape, ragged: bool, G: int, m_hint: int | None) -> int:
 
 def _shares_memory(out, x) -> bool:
     """Whether the caller's ``out`` lives in the same storage as x (or x's packed NVFP4 data)."""
-    xd = x.data if isinstance(x, NvFp4Tensor) else x
+    xd = x.data if isinstance(x, (NvFp4Tensor, Fp8Tensor)) else x
     return (isinstance(out, torch.Tensor) and isinstance(xd, torch.Tensor)
             and out.untyped_storage().data_ptr() == xd.untyped_storage().data_ptr())

@@ -26,8 +26,10 @@ class GemmPlan:
 
     - ``layout``: "masked" or "ragged"; ``sizes``: ``(G, N, K, M_max, S)`` (N: output columns; M_max 0 when ragged;
       S: rows of x, ``G * M_max`` when masked); ``m_bucket``: the tokens-per-expert bucket configs are keyed on.
-    - ``x_format``, ``w_format``: "bf16" or "nvfp4"; ``x_decoded``, ``w_decoded``: whether that NVFP4 operand is
-      decoded to a transient bf16 copy before the GEMM (``decoded`` is the pair).
+    - ``x_format``, ``w_format``: "bf16", "nvfp4" or "fp8" (FP8 goes with FP8 only); ``x_decoded``, ``w_decoded``:
+      whether that NVFP4 operand is decoded to a transient bf16 copy before the GEMM (``decoded`` is the pair);
+      ``out_format``: "fp8" where the epilogue quantizes (GEMM1 of an FP8 expert MLP), else "bf16" (the output
+      tensor's dtype, bf16 or, for tests, fp32).
     - ``swiglu``, ``row_scale``: the epilogues.
     - ``config``: the tile config launched (``BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, TMA, num_warps,
       num_stages``), None before an autotuned launch and when nothing is launched; ``config_source``: "tuned-file"
@@ -57,6 +59,7 @@ class GemmPlan:
     grid: int | None
     chain: str = "none"
     pdl: bool = False
+    out_format: str = "bf16"
 
     @property
     def decoded(self) -> tuple[bool, bool]:
@@ -68,19 +71,22 @@ class GemmPlan:
 
 
 def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: bool, G: int, N: int, K: int,
-           M_max: int, S: int, m: int, chain: str = "none", pdl: bool = False, config: dict | None = None) -> GemmPlan:
+           M_max: int, S: int, m: int, chain: str = "none", pdl: bool = False, config: dict | None = None,
+           fp8: bool = False, fp8_out: bool = False) -> GemmPlan:
     """The plan of a call with these sizes and formats (``m``: tokens per expert the config is chosen for).
-    ``config``: a forced tile config (checked against the tuned-file schema and this GPU's shared memory).
+    ``config``: a forced tile config (checked against the tuned-file schema, the FP8 rules where ``fp8`` / ``fp8_out``
+    and this GPU's shared memory). ``fp8``: x and w are FP8; ``fp8_out``: the epilogue quantizes to FP8.
 
     Plans without a forced config are cached, keyed by every input: these arguments, the options, the tuned
     files' versions and the device (a plan is a pure function of them; the cache is bounded)."""
+    fmt = ("fp8" if fp8 else "nvfp4" if x_fp4 else "bf16", "fp8" if fp8 else "nvfp4" if w_fp4 else "bf16",
+           "fp8" if fp8_out else "bf16")
     if config is not None:
-        return _decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config,
-                       options.current())
+        return _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config, options.current())
     device = (device_facts.device_index(), device_facts.tma_supported(), device_facts.smem_limit(),
               device_facts.sm_count())
-    return _cached_decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl,
-                          options.current(), tuned_files.file_versions(), device)
+    return _cached_decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, options.current(),
+                          tuned_files.file_versions(), device)
 
 
 def clear_cache() -> None:
@@ -89,32 +95,36 @@ def clear_cache() -> None:
 
 
 @lru_cache(maxsize=4096)
-def _cached_decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, opts, versions,
-                   device):
-    return _decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, None, opts)
+def _cached_decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, opts, versions, device):
+    return _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, None, opts)
 
 
-def _decide(ragged, x_fp4, w_fp4, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config, opts) -> GemmPlan:
+def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config, opts) -> GemmPlan:
+    """``fmt``: (x, w, out) formats."""
+    x_format, w_format, out_format = fmt
+    x_fp4, w_fp4 = x_format == "nvfp4", w_format == "nvfp4"
+    fp8, fp8_out = w_format == "fp8", out_format == "fp8"
     bucket = m_bucket(m)
     x_dec = x_fp4  # NVFP4 x: always decoded once (it is small, and every column tile reads it)
     w_dec = w_fp4 and bucket >= (opts.decoded_min_m or float("inf"))
     w_tiles_fp4 = w_fp4 and not w_dec
     # TMA: ragged prefill shapes with bf16 tiles, on a GPU with the tensor memory accelerator (the masked layout's
     # boxes would read an expert's padding rows, which that layout never touches)
-    tma_possible = ragged and not w_tiles_fp4 and bucket > DECODE_MAX_M and device_facts.tma_supported()
+    # (FP8 tiles come by pointer loads)
+    tma_possible = ragged and not w_tiles_fp4 and not fp8 and bucket > DECODE_MAX_M and device_facts.tma_supported()
     base = dict(layout="ragged" if ragged else "masked", sizes=(G, N, K, M_max, S), m_bucket=bucket,
-                x_format="nvfp4" if x_fp4 else "bf16", w_format="nvfp4" if w_fp4 else "bf16", x_decoded=x_dec,
-                w_decoded=w_dec, swiglu=swiglu, row_scale=row_scale, tma_possible=tma_possible, chain=chain,
-                pdl=pdl)
+                x_format=x_format, w_format=w_format, x_decoded=x_dec, w_decoded=w_dec, swiglu=swiglu,
+                row_scale=row_scale, tma_possible=tma_possible, chain=chain, pdl=pdl, out_format=out_format)
     if S == 0:
         return GemmPlan(**dict(base, chain="none", pdl=False), config=None, config_source="no-launch",
                         config_file=None, tma=False, persistent=False, grid=0)
     if config is not None:
-        cfg, source, path = tuned_files.validate(config, "config", swiglu, w_tiles_fp4,
-                                                 device_facts.smem_limit()), "forced", None
+        cfg, source, path = tuned_files.validate(config, "config", swiglu, w_tiles_fp4, device_facts.smem_limit(),
+                                                 fp8=fp8, fp8_out=fp8_out), "forced", None
     else:
-        cfg, source, path = _choose_config(N, K, bucket, G, w_tiles_fp4, swiglu, opts, tuned_files.file_versions(),
-                                           device_facts.smem_limit(), device_facts.sm_count())
+        cfg, source, path = _choose_config(N, K, bucket, G, w_tiles_fp4, swiglu, fp8, fp8_out, opts,
+                                           tuned_files.file_versions(), device_facts.smem_limit(),
+                                           device_facts.sm_count())
     if cfg is None:  # the autotuner picks at launch; a chained GEMM2 follows a searched GEMM1 by a plain launch
         return GemmPlan(**dict(base, pdl=False), config=None, config_source="autotune", config_file=None, tma=None,
                         persistent=None, grid=None)
@@ -139,13 +149,14 @@ def _with_config(plan: GemmPlan, cfg: dict) -> GemmPlan:
 
 
 @lru_cache(maxsize=1024)
-def _choose_config(n, k, bucket, groups, w_fp4, swiglu, opts, versions, smem_limit, sm_count):
+def _choose_config(n, k, bucket, groups, w_fp4, swiglu, fp8, fp8_out, opts, versions, smem_limit, sm_count):
     """(config, source, file) for a shape class: the tuned file's, else under ``MOE_EP_AUTOTUNE=off`` the first
     config that suits it, else (None, "autotune", None). Keyed by everything it reads: the shape class, the options,
     the tuned files' versions (path, mtime) and the GPU's limits (bounded: one entry per shape class met)."""
-    found = tuned_files.tuned_gemm_config(n, k, bucket, w_fp4, swiglu, versions)
+    found = tuned_files.tuned_gemm_config(n, k, bucket, w_fp4, swiglu, versions, fp8=fp8, fp8_out=fp8_out)
     if found is not None:
         return found[0], "tuned-file", found[1]
     if not opts.autotune:
-        return config_space.first_gemm_config(n, k, bucket, groups, w_fp4, swiglu), "first-config", None
+        return config_space.first_gemm_config(n, k, bucket, groups, w_fp4, swiglu, fp8=fp8, fp8_out=fp8_out), \
+            "first-config", None
     return None, "autotune", None

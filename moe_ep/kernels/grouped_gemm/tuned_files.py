@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from ... import device_facts, options
 from ...errors import MoEEpConfigError
-from .config_space import CONFIG_KEYS, m_bucket, shape_class, smem_bytes
+from .config_space import CONFIG_KEYS, fp8_rule_broken, m_bucket, shape_class, smem_bytes
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
@@ -42,9 +42,11 @@ SCHEMA = {  # key: (allowed, check); every key but TMA is required
 }
 
 
-def validate(cfg, where: str, swiglu: bool = False, w_fp4: bool = False, smem_limit: int | None = None) -> dict:
-    """A config checked against :data:`SCHEMA` (and, given ``smem_limit``, against shared memory for a shape of
-    ``swiglu`` / ``w_fp4``): the config with every key, or MoEEpConfigError naming ``where``, the key and value."""
+def validate(cfg, where: str, swiglu: bool = False, w_fp4: bool = False, smem_limit: int | None = None, *,
+             fp8: bool = False, fp8_out: bool = False) -> dict:
+    """A config checked against :data:`SCHEMA`, the FP8 rules for an FP8 shape (``fp8``, ``fp8_out``:
+    ``config_space.fp8_rule_broken``) and, given ``smem_limit``, against shared memory for a shape of ``swiglu`` /
+    ``w_fp4`` / ``fp8``: the config with every key, or MoEEpConfigError naming ``where``, the key and value."""
     if not isinstance(cfg, dict):
         raise MoEEpConfigError(f"{where} = {cfg!r}; allowed: an object with keys {list(SCHEMA)}")
     unknown = sorted(set(cfg) - set(SCHEMA), key=str)
@@ -58,8 +60,12 @@ def validate(cfg, where: str, swiglu: bool = False, w_fp4: bool = False, smem_li
         if not ok(cfg[key]):
             raise MoEEpConfigError(f"{where}.{key} = {cfg[key]!r}; allowed: {allowed}")
     out = {k: cfg.get(k, False) for k in CONFIG_KEYS}
+    if fp8:
+        broken = fp8_rule_broken(out, fp8_out)
+        if broken:
+            raise MoEEpConfigError(f"{where}.{broken}")
     if smem_limit is not None:
-        need = smem_bytes(out, swiglu, w_fp4)
+        need = smem_bytes(out, swiglu, w_fp4, fp8)
         if need > smem_limit:
             raise MoEEpConfigError(f"{where} = {cfg!r}: {need} bytes of shared memory; allowed: at most {smem_limit} "
                                    "on this GPU (smaller blocks or fewer num_stages)")
@@ -114,20 +120,22 @@ def file_versions() -> tuple:
     return tuple(found)
 
 
-def tuned_gemm_config(n: int, k: int, m: int, w_fp4: bool, swiglu: bool, versions: tuple | None = None):
-    """``(config, file path)`` of the tuned config for this shape, or None (then the first config or autotune).
-    ``versions``: :func:`file_versions`, when the caller has them already."""
-    key, want = shape_class(n, k, w_fp4, swiglu), m_bucket(m)
+def tuned_gemm_config(n: int, k: int, m: int, w_fp4: bool, swiglu: bool, versions: tuple | None = None, *,
+                      fp8: bool = False, fp8_out: bool = False):
+    """``(config, file path)`` of the tuned config for this shape (FP8 shapes have keys of their own), or None (then
+    the first config or autotune). ``versions``: :func:`file_versions`, when the caller has them already."""
+    key, want = shape_class(n, k, w_fp4, swiglu, fp8, fp8_out), m_bucket(m)
     limit = device_facts.smem_limit()
     for path, mtime in (file_versions() if versions is None else versions):
-        cfg = _lookup(path, mtime, key, want, swiglu, w_fp4, limit)
+        cfg = _lookup(path, mtime, key, want, swiglu, w_fp4, fp8, fp8_out, limit)
         if cfg is not None:
             return dict(cfg), path
     return None
 
 
 @lru_cache(maxsize=4096)
-def _lookup(path: str, mtime: float, key: str, want: int, swiglu: bool, w_fp4: bool, limit) -> dict | None:
+def _lookup(path: str, mtime: float, key: str, want: int, swiglu: bool, w_fp4: bool, fp8: bool, fp8_out: bool,
+            limit) -> dict | None:
     """The checked config of ``key`` nearest to bucket ``want`` in one file version (callers copy it)."""
     by_m = _load_file(path, mtime).get(key)
     if not by_m:
@@ -139,5 +147,6 @@ def _lookup(path: str, mtime: float, key: str, want: int, swiglu: bool, w_fp4: b
         if not (isinstance(b, str) and b.isascii() and b.isdigit() and int(b) >= 1):
             raise MoEEpConfigError(f"{path}[{key!r}] key {b!r}; allowed: a positive integer (tokens per expert)")
         buckets[int(b)] = c
-    checked = {b: validate(c, f"{path}[{key!r}][{b}]", swiglu, w_fp4, limit) for b, c in buckets.items()}
+    checked = {b: validate(c, f"{path}[{key!r}][{b}]", swiglu, w_fp4, limit, fp8=fp8, fp8_out=fp8_out)
+               for b, c in buckets.items()}
     return checked[min(checked, key=lambda b: (abs(math.log2(b / want)), b))]
