@@ -14,7 +14,8 @@ Rows (``--kernels``):
 * ``mlp-nvfp4`` — the same with NVFP4 weights (3.5x fewer weight bytes); same bf16 peer.
 * ``quant`` — ``quantize_nvfp4`` of ``[S, H]``; peer the torch reference.
 * ``bridge`` — route + permute + weighted unpermute-reduce of ``[T, K]`` picks; peer torch (argsort, index_add).
-* ``layer`` — ``MoEEpLayer`` forward per ``--layouts``; the layer is built with L local experts per rank and
+* ``layer`` — ``MoEEpLayer`` forward per ``--layouts``, in ``--weight-format`` / ``--activation-format`` (bf16
+  by default; the floor counts the weights' bytes in their format); the layer is built with L local experts per rank and
   ``L * world`` experts in all, so each rank's expert load at T tokens matches the full deployment's.
   Peer: a torch MoE (argsort, ``_grouped_mm``, index_add) over this rank's experts (no communication); ``diff``:
   against the dense fp32 MoE over all experts (each rank rebuilds any expert's weights from the seed).
@@ -33,7 +34,7 @@ import torch
 from ..config import SUPPORTED_LAYOUTS
 from ..errors import MoEEpInputError
 from ..triton_runtime import INTERPRETER, device
-from .common import (PRESETS, add_shape_arguments, dist_setup, dist_teardown, int_list, name_list, preset_from_args,
+from .common import (PRESETS, add_format_arguments, add_shape_arguments, check_layer_shape, dist_setup, dist_teardown, int_list, name_list, preset_from_args,
                      print_table, progress, versions, write_json)
 from .timing import time_call, time_loop, time_pair
 
@@ -43,6 +44,7 @@ LAYOUTS = tuple(f"{a.value}-{lay.value}" for a, lay in SUPPORTED_LAYOUTS)
 
 def add_arguments(parser) -> None:
     add_shape_arguments(parser)
+    add_format_arguments(parser)   # the layer rows' formats
     parser.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
     parser.add_argument("--tokens", default=None,
                         help="tokens per rank to sweep (default 1,8,64,512,4096 on a GPU, 2 on the CPU)")
@@ -128,8 +130,10 @@ def _routing(T, K, E, gen, dev):
     return idx.to(dev), (wts / wts.sum(1, keepdim=True)).to(dev)
 
 
-def _weight_bytes(counts, H, I, fp4: bool) -> float:
-    per_elem = 0.5 + 1 / 16 if fp4 else 2.0
+def _weight_bytes(counts, H, I, fmt) -> float:
+    """Bytes of the experts' weights that ``counts`` reach, per format: bf16 2, NVFP4 0.5 + its e4m3 scale per 16,
+    FP8 1 + its fp32 scale per 128x128 block (``fmt``: a format's name)."""
+    per_elem = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / 128 ** 2}[fmt]
     return int((counts > 0).sum()) * 3 * H * I * per_elem
 
 
@@ -200,7 +204,7 @@ class Bench:
             ours = lambda: expert_mlp(x, w13, w2, offsets=offsets)  # noqa: E731
             peer = lambda: torch_mlp(self.gmm, x, self.w13, self.w2, offsets)  # noqa: E731
             peer_name = self.gmm_note if self.gmm is not None else f"torch reference ({self.gmm_note})"
-            nbytes = _weight_bytes(counts, H, I, fp4) + 2 * S * H * 2
+            nbytes = _weight_bytes(counts, H, I, "nvfp4" if fp4 else "bf16") + 2 * S * H * 2
             flops = 6.0 * S * H * I
             if fp4:
                 note = "NVFP4 weights vs the bf16 peer (same function up to quantization)"
@@ -228,8 +232,9 @@ class Bench:
             from ..weights import ExpertWeights
             alg, lay = layout.split("-")
             E = L * self.world
-            cfg = EpConfig(E, K, H, I, max(T, 1), algorithm=alg, layout=lay)
-            layer = MoEEpLayer(cfg, ExpertWeights(self.w13, self.w2))
+            wf, af = self.args.weight_format, self.args.activation_format
+            cfg = EpConfig(E, K, H, I, max(T, 1), algorithm=alg, layout=lay, weight_format=wf, activation_format=af)
+            layer = MoEEpLayer(cfg, ExpertWeights(self.w13, self.w2, wf))
             x = self.randn(T, H)
             idx, wts = _routing(T, K, E, self.gen, self.dev)
             ours = lambda: layer(x, idx, wts, validate=False)  # noqa: E731
@@ -241,7 +246,7 @@ class Bench:
             peer_name = "torch MoE (argsort, " + ("_grouped_mm" if self.gmm is not None else "reference MLP") + \
                 ", index_add)" + (", compute only, no communication" if self.world > 1 else "")
             counts = torch.bincount(idx.reshape(-1).cpu(), minlength=E)[layer.rank * L:(layer.rank + 1) * L]
-            nbytes = _weight_bytes(counts, H, I, False) + 2 * T * H * 2
+            nbytes = _weight_bytes(counts, H, I, wf) + 2 * T * H * 2
             flops = 6.0 * int(counts.sum()) * H * I
             kernel = f"layer[{layout}]"
         else:  # guarded by name_list; kept for direct callers
@@ -340,6 +345,8 @@ def run(args) -> int:
     for p in presets:
         if p.experts % p.ep and not args.experts:
             raise MoEEpInputError(f"preset {p.name}: experts {p.experts} not divisible by ep {p.ep}")
+        if "layer" in args.kernel_list:  # the layer rows' formats against EpConfig's rules, before any work
+            check_layer_shape(p, max(tokens), 1, args.weight_format, args.activation_format)
     dev = device()
     jobs = [(k, lay) for k in args.kernel_list for lay in (layouts if k == "layer" else [None])]
     rows = []
