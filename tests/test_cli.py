@@ -454,3 +454,31 @@ def test_tune_formats_take_fp8_and_name_what_is_missing(capsys):
     assert "MoEEpConfigError: --formats = 'fp8'" in err and "allowed: bf16, nvfp4" in err
     assert main(["tune", *TINY, "--formats", "fp9"]) == 2
     assert "bf16, nvfp4, fp8" in capsys.readouterr().err
+
+
+def test_demo_ranks_build_the_layer_in_the_formats(monkeypatch, tmp_path):
+    """A demo rank (run in this process, world 1) builds EpConfig and the weights in the options' formats."""
+    import argparse
+    import types
+
+    import torch.distributed as dist
+
+    import moe_ep.cli as cli
+    made = []
+
+    class Built(Exception):
+        pass
+
+    def layer(cfg, w, **k):
+        made.append((cfg, w))
+        raise Built
+
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(moe_ep, "MoEEpLayer", layer)
+    monkeypatch.setattr(moe_ep, "ExpertWeights", types.SimpleNamespace(from_global=lambda *a, **k: a[4]))
+    args = argparse.Namespace(experts=2, top_k=1, hidden=128, inter=32, tokens=2, weight_format="fp8",
+                              activation_format="fp8")
+    with pytest.raises(Built):
+        cli._demo_worker(0, 1, str(tmp_path / "store"), args, None)
+    [(cfg, fmt)] = made
+    assert (cfg.weight_format.value, cfg.activation_format.value, fmt) == ("fp8", "fp8", "fp8")
