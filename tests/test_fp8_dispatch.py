@@ -18,8 +18,7 @@ import torch
 from moe_ep.config import SUPPORTED_LAYOUTS, Algorithm, EpConfig, Format, Layout
 from moe_ep.errors import MoEEpConfigError
 from moe_ep.kernels.fp8 import Fp8Tensor, quantize_fp8
-from moe_ep.layout_contract import (HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
-                                    LowLatencyRankMajor)
+from moe_ep.layout_contract import LowLatencyExpertMajor, LowLatencyRankMajor
 from moe_ep.testing.toy_transport import toy_compute, toy_reference
 from moe_ep.transports import nccl_ep as nccl_mod
 from moe_ep.transports import nixl_ep as nixl_mod

@@ -34,8 +34,8 @@ import torch
 from ..config import SUPPORTED_LAYOUTS
 from ..errors import MoEEpInputError
 from ..triton_runtime import INTERPRETER, device
-from .common import (PRESETS, add_format_arguments, add_shape_arguments, check_layer_shape, dist_setup, dist_teardown, int_list, name_list, preset_from_args,
-                     print_table, progress, versions, write_json)
+from .common import (PRESETS, add_format_arguments, add_shape_arguments, check_layer_shape, dist_setup, dist_teardown,
+                     int_list, name_list, preset_from_args, print_table, progress, versions, write_json)
 from .timing import time_call, time_loop, time_pair
 
 KERNELS = ("mlp", "mlp-nvfp4", "quant", "bridge", "layer")
