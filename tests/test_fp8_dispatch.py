@@ -18,8 +18,8 @@ import torch
 from moe_ep.config import SUPPORTED_LAYOUTS, Algorithm, EpConfig, Format, Layout
 from moe_ep.errors import MoEEpConfigError
 from moe_ep.kernels.fp8 import Fp8Tensor, quantize_fp8
-from moe_ep.layout_contract import LowLatencyExpertMajor, LowLatencyRankMajor
-from moe_ep.testing.toy_transport import toy_compute, toy_reference
+from moe_ep.reference import dequantize_fp8_ref
+from moe_ep.testing.toy_transport import toy_compute, toy_reference, valid_rows
 from moe_ep.transports import nccl_ep as nccl_mod
 from moe_ep.transports import nixl_ep as nixl_mod
 from moe_ep.transports.nccl_ep import NcclEpTransport
@@ -48,22 +48,6 @@ def inputs(B, H, seed, rank=0):
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)])
     idx[torch.rand(B, K, generator=g) < 0.25] = -1
     return x.bfloat16(), idx, torch.rand(B, K, generator=g)
-
-
-def valid_rows(res) -> torch.Tensor:
-    """The rows of ``res.tokens`` the contract says are valid (bool, the tokens' leading shape)."""
-    n = res.tokens.shape
-    if isinstance(res, LowLatencyExpertMajor):
-        return torch.arange(n[1]) < res.expert_counts.long().view(-1, 1)
-    if isinstance(res, LowLatencyRankMajor):
-        return torch.arange(n[1]) < res.src_rank_counts.long().view(-1, 1)
-    return torch.arange(n[0]) < res.num_recv.long()
-
-
-def dequant(q: Fp8Tensor) -> torch.Tensor:
-    """data * scale per 128-channel block, in torch (the value of the payload)."""
-    H = q.shape[-1]
-    return (q.data.float() * q.scales.repeat_interleave(128, -1)[..., :H]).bfloat16()
 
 
 def check_payload(res8, res16, want):
@@ -97,10 +81,14 @@ def deepseek(rows):
     return fake_nccl_ep.ds_fp8e3m4(rows)
 
 
+def dequant(q: Fp8Tensor) -> torch.Tensor:
+    """The payload's value, data * scale per 128-channel block (bf16)."""
+    return dequantize_fp8_ref(q.data, q.scales, 1).bfloat16()
+
+
 def combine_check(t, res8, c, x, idx, w, rank=0, world=1):
-    """Combine of the toy compute over the payload's value: the FP8 round trip of x, routed as bf16 would be."""
-    as_bf16 = dataclasses.replace(res8, tokens=dequant(res8.tokens))
-    out = t.combine(toy_compute(as_bf16, c, rank, world))
+    """Combine of the toy compute over the payload's value (the FP8 round trip of x), routed as bf16 would be."""
+    out = t.combine(toy_compute(res8, c, rank, world))
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=8e-2, atol=8e-2 * x.float().abs().max())
 
