@@ -6,9 +6,9 @@ where the library quantizes: LL); combine of those rows; 2 gloo ranks; rank agre
 
 import dataclasses
 import os
-from datetime import timedelta
 import tempfile
 import types
+from datetime import timedelta
 
 import fake_nccl_ep
 import fake_nixl_ep

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from ..config import EpConfig, Format
 from ..errors import MoEEpConfigError
-from ..kernels.fp8 import FP8_BLOCK, Fp8Tensor, quantize_fp8
 from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
+from ..kernels.fp8 import FP8_BLOCK, Fp8Tensor, quantize_fp8
 from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
