@@ -14,11 +14,14 @@ import fake_nccl_ep
 import fake_nixl_ep
 import pytest
 import torch
+from hypothesis import given
 
 from moe_ep.config import SUPPORTED_LAYOUTS, Algorithm, EpConfig, Format, Layout
 from moe_ep.errors import MoEEpConfigError
 from moe_ep.kernels.fp8 import Fp8Tensor, quantize_fp8
 from moe_ep.reference import dequantize_fp8_ref
+from moe_ep.testing.properties import check_dispatch_fp8
+from moe_ep.testing.strategies import layer_cases
 from moe_ep.testing.toy_transport import toy_compute, toy_reference, valid_rows
 from moe_ep.transports import nccl_ep as nccl_mod
 from moe_ep.transports import nixl_ep as nixl_mod
@@ -135,6 +138,13 @@ def test_torch_transport_carries_quantize_fp8_of_the_bf16_rows(alg, lay, dev):
         check_payload(res8, res16, ours)
         combine_check(t8, res8, t8.config, x, idx, w)
         t16.combine(toy_compute(res16, t16.config, 0, 1))
+
+
+@given(layer_cases())
+def test_torch_transport_fp8_payload_property(dev, case):
+    """Random layouts, H (multiples of 16, short last blocks), token counts (0 included) and routings: the payload
+    is quantize_fp8_ref of the bf16 dispatch's rows (the shared check ``moe-ep fuzz --targets dispatch_fp8`` runs)."""
+    check_dispatch_fp8(case, dev)
 
 
 def test_torch_transport_quantizes_once_before_dispatch(monkeypatch, dev):
