@@ -422,8 +422,7 @@ def test_bench_layer_rows_take_the_formats(monkeypatch):
     add_format_arguments(p)
     assert (p.parse_args([]).weight_format, p.parse_args([]).activation_format) == ("bf16", "bf16")
     args = p.parse_args(["--weight-format", "fp8", "--activation-format", "fp8"])
-    assert bench._weight_bytes(torch.tensor([1, 0]), 128, 128, "fp8") == 3 * 128 * 128 * (1 + 4 / 128 ** 2)
-    assert bench._weight_bytes(torch.tensor([1, 0]), 128, 128, "bf16") == 3 * 128 * 128 * 2
+    assert bench._weight_bytes(torch.tensor([1, 0]), 128, 128, False, True) == 3 * 128 * 128 * (1 + 4 / 128 ** 2)
     made = []
 
     class Built(Exception):

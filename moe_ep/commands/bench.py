@@ -130,10 +130,8 @@ def _routing(T, K, E, gen, dev):
     return idx.to(dev), (wts / wts.sum(1, keepdim=True)).to(dev)
 
 
-def _weight_bytes(counts, H, I, fmt) -> float:
-    """Bytes of the experts' weights that ``counts`` reach, per format: bf16 2, NVFP4 0.5 + its e4m3 scale per 16,
-    FP8 1 + its fp32 scale per 128x128 block (``fmt``: a format's name)."""
-    per_elem = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / 128 ** 2}[fmt]
+def _weight_bytes(counts, H, I, fp4: bool, fp8: bool = False) -> float:
+    per_elem = 0.5 + 1 / 16 if fp4 else 1 + 4 / 128 ** 2 if fp8 else 2.0
     return int((counts > 0).sum()) * 3 * H * I * per_elem
 
 
@@ -204,7 +202,7 @@ class Bench:
             ours = lambda: expert_mlp(x, w13, w2, offsets=offsets)  # noqa: E731
             peer = lambda: torch_mlp(self.gmm, x, self.w13, self.w2, offsets)  # noqa: E731
             peer_name = self.gmm_note if self.gmm is not None else f"torch reference ({self.gmm_note})"
-            nbytes = _weight_bytes(counts, H, I, "nvfp4" if fp4 else "bf16") + 2 * S * H * 2
+            nbytes = _weight_bytes(counts, H, I, fp4) + 2 * S * H * 2
             flops = 6.0 * S * H * I
             if fp4:
                 note = "NVFP4 weights vs the bf16 peer (same function up to quantization)"
@@ -246,7 +244,7 @@ class Bench:
             peer_name = "torch MoE (argsort, " + ("_grouped_mm" if self.gmm is not None else "reference MLP") + \
                 ", index_add)" + (", compute only, no communication" if self.world > 1 else "")
             counts = torch.bincount(idx.reshape(-1).cpu(), minlength=E)[layer.rank * L:(layer.rank + 1) * L]
-            nbytes = _weight_bytes(counts, H, I, wf) + 2 * T * H * 2
+            nbytes = _weight_bytes(counts, H, I, wf == "nvfp4", wf == "fp8") + 2 * T * H * 2
             flops = 6.0 * int(counts.sum()) * H * I
             kernel = f"layer[{layout}]"
         else:  # guarded by name_list; kept for direct callers
