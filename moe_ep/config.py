@@ -37,6 +37,11 @@ class Format(enum.Enum):
     FP8 = "fp8"
 
 
+ACTIVATION_FORMATS = {Format.BF16: (Format.BF16, Format.NVFP4), Format.NVFP4: (Format.BF16, Format.NVFP4),
+                      Format.FP8: (Format.BF16, Format.FP8)}
+"""The activation formats each weight format runs with. FP8 weights: bf16 activations (the compute quantizes them
+after dispatch) or FP8 ones (W8A8: dispatch carries the FP8 payload); FP8 activations need FP8 weights."""
+
 MAX_INT32 = 2**31 - 1
 
 
@@ -57,6 +62,10 @@ class EpConfig:
     global scale ``2688 / amax(token)``; a positive finite float is one static scale for every token (what an
     NVFP4 checkpoint ships as ``1 / input_scale``). Either way a token's result never depends on the other
     tokens of its batch (DESIGN.md, NVFP4).
+
+    Formats (weights, activations): bf16 or NVFP4 weights with bf16 or NVFP4 activations; FP8 weights with bf16
+    activations (quantized to FP8 after dispatch) or FP8 activations (W8A8: dispatch carries e4m3 tokens and one
+    fp32 scale per token per 128 channels, DESIGN.md, FP8).
     """
 
     num_experts: int
@@ -99,6 +108,11 @@ class EpConfig:
                        f"a multiple of {h_mult}" + (" (NVFP4 activations)" if h_mult == 32 else ""))
         if self.intermediate_size % 16:
             raise _err("intermediate_size", self.intermediate_size, "a multiple of 16")
+        allowed = ACTIVATION_FORMATS[self.weight_format]
+        if self.activation_format not in allowed:
+            raise _err("activation_format", self.activation_format.value,
+                       " or ".join(repr(f.value) for f in allowed) + f" with weight_format {self.weight_format.value!r}"
+                       + (" (FP8 activations need FP8 weights: W8A8)" if self.activation_format is Format.FP8 else ""))
         gs = self.activation_global_scale
         if gs is not None:
             if self.activation_format is not Format.NVFP4:

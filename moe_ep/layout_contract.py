@@ -12,7 +12,9 @@ S received slots (HT). Ids the compute sees are *local* expert ids; -1 means "no
 
 ``tokens`` is a bf16 tensor, or with NVFP4 activations an :class:`~moe_ep.kernels.nvfp4.NvFp4Tensor` of the same
 logical shape (packed uint8 ``[..., H/2]``, linear e4m3 scales ``[..., H/16]``, one global scale per row: each
-row keeps its source rank's). Rows past the valid counts are garbage (NaN included) and never read.
+row keeps its source rank's), or with FP8 activations an :class:`~moe_ep.kernels.fp8.Fp8Tensor` of the same shape
+(``block_rows`` 1: float8_e4m3fn data ``[..., H]``, fp32 scales ``[..., ceil(H/128)]``, one per row per 128
+channels). Rows past the valid counts are garbage (NaN included) and never read.
 
 Each type checks its fields' ranks, agreeing dimensions, dtypes and devices when it is built (a few attribute
 compares: this runs every forward; no host sync, no value checks) and raises :class:`MoEEpInputError` naming the
@@ -28,11 +30,13 @@ import torch
 
 from .config import Algorithm, EpConfig, Layout
 from .errors import fail
+from .kernels.fp8 import Fp8Tensor
 from .kernels.nvfp4 import NvFp4Tensor
 
 
 def _tokens(owner: str, tokens, ndim: int) -> tuple[torch.Size, torch.device]:
-    """(logical shape, device) of ``tokens`` once it is a bf16 ``ndim``-D tensor or NvFp4Tensor, else raise."""
+    """(logical shape, device) of ``tokens`` once it is a bf16 ``ndim``-D tensor, an NvFp4Tensor or a per-row
+    Fp8Tensor, else raise (an Fp8Tensor checked its own parts against each other when it was made)."""
     if isinstance(tokens, torch.Tensor):
         shape = tokens.shape
         if tokens.dtype is not torch.bfloat16 or len(shape) != ndim:
@@ -44,7 +48,12 @@ def _tokens(owner: str, tokens, ndim: int) -> tuple[torch.Size, torch.device]:
             fail(f"{owner}.tokens", f"NvFp4Tensor {tuple(tokens.shape)} data {data.dtype}",
                  f"an NvFp4Tensor of {ndim}-D logical shape (uint8 data)")
         return tokens.shape, data.device
-    fail(f"type({owner}.tokens)", type(tokens).__name__, "torch.Tensor (bf16) or NvFp4Tensor")
+    if isinstance(tokens, Fp8Tensor):
+        if tokens.data.dim() != ndim or tokens.block_rows != 1:
+            fail(f"{owner}.tokens", f"Fp8Tensor {tuple(tokens.shape)} block_rows={tokens.block_rows}",
+                 f"an Fp8Tensor of {ndim}-D shape with block_rows 1 (one scale per row per 128 channels)")
+        return tokens.shape, tokens.data.device
+    fail(f"type({owner}.tokens)", type(tokens).__name__, "torch.Tensor (bf16), NvFp4Tensor or Fp8Tensor")
 
 
 def _last_dim(t, ndim: int) -> int:
@@ -69,7 +78,7 @@ class LowLatencyExpertMajor:
     layout: ClassVar[Layout] = Layout.EXPERT_MAJOR
     weights_applied_by_combine: ClassVar[bool] = True
 
-    tokens: torch.Tensor | NvFp4Tensor
+    tokens: torch.Tensor | NvFp4Tensor | Fp8Tensor
     expert_counts: torch.Tensor
 
     def __post_init__(self):
@@ -88,7 +97,7 @@ class LowLatencyRankMajor:
     layout: ClassVar[Layout] = Layout.RANK_MAJOR
     weights_applied_by_combine: ClassVar[bool] = False
 
-    tokens: torch.Tensor | NvFp4Tensor
+    tokens: torch.Tensor | NvFp4Tensor | Fp8Tensor
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     src_rank_counts: torch.Tensor
@@ -111,7 +120,7 @@ class HighThroughputFlat:
     layout: ClassVar[Layout] = Layout.FLAT
     weights_applied_by_combine: ClassVar[bool] = False
 
-    tokens: torch.Tensor | NvFp4Tensor
+    tokens: torch.Tensor | NvFp4Tensor | Fp8Tensor
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     num_recv: torch.Tensor
@@ -135,7 +144,7 @@ class HighThroughputExpertMajor:
     layout: ClassVar[Layout] = Layout.EXPERT_MAJOR
     weights_applied_by_combine: ClassVar[bool] = False
 
-    tokens: torch.Tensor | NvFp4Tensor
+    tokens: torch.Tensor | NvFp4Tensor | Fp8Tensor
     expert_offsets: torch.Tensor
     expert_counts: torch.Tensor
     topk_weights: torch.Tensor

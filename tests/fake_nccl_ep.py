@@ -91,6 +91,23 @@ FLOAT4X2 = 12
 _FROM_TORCH = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
                torch.float64: 8, torch.bfloat16: 9, torch.float8_e4m3fn: 10, torch.float8_e5m2: 11}
 I32, I64, F32, BF16, E4M3, U8 = 2, 4, 7, 9, 10, 1
+_BYTES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1, FLOAT4X2: 1}  # per element
+DS_ELEMENTS_PER_SCALE = 128   # kDsFp8E3M4ElementsPerScale
+FP8_MARGIN = 1e-4             # kFP8Margin: the amax floor of DeepEP's FP8 cast, which DS_FP8E3M4 reproduces
+
+
+def ds_fp8e3m4(x: torch.Tensor):
+    """What DS_FP8E3M4 makes of bf16 rows ``x [B, H]`` (``castAndWriteToSendBuf`` / ``calculate_fp8_scales`` with
+    round_scales 0, in fp32 as the kernel computes): per 128 elements ``amax = max(1e-4, max |x|)``, the stored
+    scale ``amax * fp32(1/448)``, the code ``e4m3_satfinite(x * (448 / amax))``. Returns (e4m3 ``[B, H]``, fp32
+    ``[B, H/128]``)."""
+    B, H = x.shape
+    xf = x.float().reshape(B, H // DS_ELEMENTS_PER_SCALE, DS_ELEMENTS_PER_SCALE)
+    amax = xf.abs().amax(-1).clamp(min=FP8_MARGIN)
+    scale_inv = amax * torch.tensor(1 / 448.0, dtype=torch.float32)
+    scale = torch.tensor(448.0, dtype=torch.float32) / amax
+    q = (xf * scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)   # __NV_SATFINITE, round to nearest
+    return q.reshape(B, H), scale_inv
 
 
 class _EpT:
@@ -370,23 +387,38 @@ class Handle:
         cfg = config or lib(DispatchConfig())
         need(cfg.send_only == 0 and cfg.pass_direction == PassDir.FWD, "moe-ep uses blocking forward dispatch")
         rec = cfg.quantization_recipe
-        need(rec in (DispatchQuantizationRecipe.NONE, DispatchQuantizationRecipe.FWD), f"recipe {rec!r} not used")
+        need(rec in (DispatchQuantizationRecipe.NONE, DispatchQuantizationRecipe.FWD,
+                     DispatchQuantizationRecipe.DS_FP8E3M4), f"recipe {rec!r} not implemented")
         x = inputs.tokens
         need(x is not None and x.ndim == 2 and x.sizes[0] == B, "inputs.tokens must be 2D [num_tokens, hidden]")
         if rec == DispatchQuantizationRecipe.NONE:
             _absent(inputs.scales, "inputs->scales (NONE)")
             _absent(outputs.scales, "outputs->scales (NONE)")
             need(x.dt == BF16, f"inputs.tokens datatype {x.dt}: moe-ep sends bf16 rows")
-            row = x.sizes[1]
-        else:
+            row_bytes = 2 * x.sizes[1]
+        elif rec == DispatchQuantizationRecipe.FWD:
             need(cfg.round_scales == 0, "round_scales must be zero when scales are forwarded")
-            need(x.dt == FLOAT4X2, f"FWD tokens datatype {x.dt}: packed FP4 must be ncclFloat4x2 (12)")
-            need(x.sizes[1] % 16 == 0, "QUANT_FWD token rows must be 16-byte aligned (H multiple of 32)")
+            # the library forwards FP32/FP16/BF16/FP8/ncclFloat4x2 rows; moe-ep sends packed FP4 or e4m3 ones
+            need(x.dt in (FLOAT4X2, E4M3), f"FWD tokens datatype {x.dt}: moe-ep forwards ncclFloat4x2 (12) or "
+                 "ncclFloat8e4m3 (10) rows")
+            need(x.sizes[1] * _BYTES[x.dt] % 16 == 0, "QUANT_FWD token rows must be 16-byte aligned")
             s = inputs.scales
             need(s is not None and s.ndim == 2 and s.sizes[0] == B, "inputs->scales must be 2D [tokens, scales]")
-            need(s.dt in (E4M3, U8) and s.sizes[1] % 16 == 0, "scale bytes per token must be non-zero and 16-byte aligned")
-            row = x.sizes[1]
-        need(row * (1 if x.dt == FLOAT4X2 else 2) <= g.cfg.max_token_bytes, "token row exceeds max_token_bytes")
+            need(s.dt in (F32, E4M3, U8) and s.sizes[1] * _BYTES[s.dt] % 16 == 0,
+                 "scale bytes per token must be non-zero and 16-byte aligned")
+            row_bytes = x.sizes[1] * _BYTES[x.dt] + s.sizes[1] * _BYTES[s.dt]
+            need(row_bytes <= g.cfg.max_token_bytes, "token bytes plus scale bytes exceed the group token-byte limit")
+        else:  # DS_FP8E3M4 (nccl_ep.cc validateDispatchRecipe)
+            need(not self.ht, "DS_FP8E3M4 is supported only in LL mode")
+            need(x.dt == BF16, "DS_FP8E3M4 requires BF16 input tokens")
+            need(x.ndim == 2 and x.sizes[1] % (4 * DS_ELEMENTS_PER_SCALE) == 0,
+                 "DS_FP8E3M4 tokens must be 2D with hidden divisible by 512")
+            _absent(inputs.scales, "DS_FP8E3M4 does not accept inputs->scales")
+            need(cfg.round_scales == 0, "moe-ep contract: DS_FP8E3M4 with round_scales 0 (fp32 scales amax / 448)")
+            row_bytes = x.sizes[1] + 4 * (x.sizes[1] // DS_ELEMENTS_PER_SCALE)
+            need(row_bytes <= g.cfg.max_token_bytes,
+                 "DS_FP8E3M4 token bytes plus scale bytes exceed the group token-byte limit")
+        need(row_bytes <= g.cfg.max_token_bytes, "token row exceeds max_token_bytes")
         w_in = inputs.topk_weights
         if self.ht or self.layout == Layout.RANK_MAJOR:
             _is(w_in, F32, (B, K), "inputs.topk_weights")
@@ -421,20 +453,27 @@ class Handle:
                 _absent(layout_info.expert_counters, "LL RM expert_counters (recv_count == nullptr)")
                 need(layout_info.recv_topk_idx_kind == ExpertIdKind.LOCAL,
                      "moe-ep contract: recv_topk_idx_kind pinned to LOCAL")
-        _is(out.tokens, x.dt, (*lead, x.sizes[1]), "outputs.tokens")
+        if rec == DispatchQuantizationRecipe.DS_FP8E3M4:
+            _is(out.tokens, E4M3, (*lead, x.sizes[1]), "DS_FP8E3M4 requires E4M3 output tokens")
+            _is(out.scales, F32, (*lead, x.sizes[1] // DS_ELEMENTS_PER_SCALE),
+                "DS_FP8E3M4 outputs->scales must be FP32 3D matching the selected layout and hidden / 128")
+        else:
+            _is(out.tokens, x.dt, (*lead, x.sizes[1]), "outputs.tokens")
         if rec == DispatchQuantizationRecipe.FWD:
             _is(out.scales, inputs.scales.dt, (*lead, inputs.scales.sizes[1]), "outputs.scales")
         self.out_shape = tuple(out.tokens.sizes)
         self.dispatched = True
         if R == 1:
-            self._move(inputs, out, layout_info)
+            self._move(inputs, out, layout_info, rec)
 
-    def _move(self, inputs, out, info):
+    def _move(self, inputs, out, info, rec):
         """World size 1: do what the library does (rows past the counts get garbage)."""
         idx, B, K = self.idx, self.B, self.K
         L = self.g.L
         x = inputs.tokens.buffer
         sx = inputs.scales.buffer if inputs.scales is not None else None
+        if rec == DispatchQuantizationRecipe.DS_FP8E3M4:  # quantized on the send side, moved as rows + scales
+            x, sx = ds_fp8e3m4(x)
         w = inputs.topk_weights.buffer if inputs.topk_weights is not None else None
         ot, os_ = out.tokens.buffer, out.scales.buffer if out.scales is not None else None
         _garbage(ot)

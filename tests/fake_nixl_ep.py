@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from fake_nccl_ep import ContractViolation, need
+from fake_nccl_ep import ContractViolation, ds_fp8e3m4, need
 
 calls: list = []
 
@@ -72,6 +72,9 @@ class Buffer:
         need((R * T) % 4 == 0, "num_ranks * num_max_dispatch_tokens_per_rank must be a multiple of 4")
         need(num_experts == self.L * R, "num_experts must equal num_ranks * num_experts_per_rank")
         need(not async_finish and not return_recv_hook, "moe-ep runs dispatch synchronously on the stream")
+        if use_fp8:
+            need(x.size(1) % 512 == 0, "hidden % 512 == 0")
+            need(not round_scale and not use_ue8m0, "moe-ep contract: fp32 scales amax / 448 (round_scale off)")
         B, H, L = x.size(0), x.size(1), self.L
         recv = torch.full((L, R * T, H), float("nan"), dtype=torch.bfloat16)
         count = torch.zeros(L, dtype=torch.int32)
@@ -84,8 +87,15 @@ class Buffer:
                     recv[e, j] = x[b]
         handle = (rows, torch.zeros(L, R, dtype=torch.int64), T, H)
         self.last = (B, L, R * T, H)
-        if use_fp8:  # the real one returns (fp8 rows, scales): not what the layout contract wants
-            recv = (recv.to(torch.float8_e4m3fn), torch.ones(L, R * T, H // 128))
+        if use_fp8:  # e4m3 rows and their fp32 scales, column-major in the last two dims (allocated [L, H/128, R*T])
+            data = torch.full((L, R * T, H), float("nan")).to(torch.float8_e4m3fn)
+            scales = torch.full((L, H // 128, R * T), float("nan")).transpose(1, 2)
+            if R == 1:
+                q, s = ds_fp8e3m4(x)   # the same DeepEP cast as NCCL-EP's DS_FP8E3M4
+                for e in range(L):
+                    for j, b in enumerate(rows[e]):
+                        data[e, j], scales[e, j] = q[b], s[b]
+            recv = (data, scales)
         return recv, count, handle, EventOverlap(), None
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,

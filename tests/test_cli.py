@@ -395,3 +395,110 @@ def test_version_is_the_installed_or_the_package_version():
     p = subprocess.run([sys.executable, "-m", "moe_ep.cli", "--version"], env=_env(), capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == f"moe-ep {want}", (p.stdout, p.stderr)
+
+
+# ---- formats: --weight-format / --activation-format (demo, bench), --formats (tune) ----
+
+FORMAT_ERRORS = [  # (argv after the command, the option the error names, what it says)
+    (["--activation-format", "fp8"], "--activation-format", "'bf16' or 'nvfp4' with --weight-format 'bf16'"),
+    (["--weight-format", "nvfp4", "--activation-format", "fp8"], "--activation-format", "FP8 activations need FP8"),
+    (["--weight-format", "fp8", "--activation-format", "nvfp4"], "--activation-format",
+     "'bf16' or 'fp8' with --weight-format 'fp8'"),
+    (["--weight-format", "fp4"], "--weight-format", "'bf16', 'nvfp4', 'fp8'"),
+    (["--weight-format", "fp8", "--activation-format", "fp8", "--hidden", "48"], "--hidden", "multiple of"),
+]
+
+
+@pytest.mark.parametrize("cmd", ["demo", "bench"])
+@pytest.mark.parametrize("argv, option, says", FORMAT_ERRORS)
+def test_format_options_are_checked_before_any_work(cmd, argv, option, says, capsys, monkeypatch, tmp_path):
+    import torch.multiprocessing as mp
+
+    from moe_ep.commands import bench
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned ranks for a bad option"))
+    monkeypatch.setattr(bench, "Bench", lambda *a, **k: pytest.fail("benched with a bad option"))
+    extra = ["--kernels", "layer", "--out", str(tmp_path)] if cmd == "bench" else []
+    assert main([cmd, *argv, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"moe-ep {cmd}: error: MoEEpInputError: {option} = ") and says in err, err
+
+
+def test_demo_takes_fp8_weights_and_activations_to_its_ranks(monkeypatch, capsys):
+    import torch.multiprocessing as mp
+
+    import moe_ep.cli as cli
+    seen = []
+    monkeypatch.setattr(cli, "_quantizer_demo", lambda args, dev: True)
+    monkeypatch.setattr(mp, "spawn", lambda fn, args, nprocs: seen.append(args[2]))
+    assert main(["demo", "--weight-format", "fp8", "--activation-format", "fp8"]) == 0
+    assert [(a.weight_format, a.activation_format) for a in seen] == [("fp8", "fp8")]
+    assert "weights fp8, activations fp8" in capsys.readouterr().out
+    assert max(cli.DEMO_BOUNDS[f] for f in ("fp8", "fp8")) == cli.DEMO_BOUNDS["fp8"] > cli.DEMO_BOUNDS["bf16"]
+
+
+def test_bench_layer_rows_take_the_formats(monkeypatch):
+    """The layer rows build EpConfig and ExpertWeights in the options' formats (the bf16 default stays)."""
+    import argparse
+
+    from moe_ep.commands import bench
+    from moe_ep.commands.common import add_format_arguments
+    p = argparse.ArgumentParser()
+    add_format_arguments(p)
+    assert (p.parse_args([]).weight_format, p.parse_args([]).activation_format) == ("bf16", "bf16")
+    args = p.parse_args(["--weight-format", "fp8", "--activation-format", "fp8"])
+    assert bench._weight_bytes(torch.tensor([1, 0]), 128, 128, False, True) == 3 * 128 * 128 * (1 + 4 / 128 ** 2)
+    made = []
+
+    class Built(Exception):
+        pass
+
+    def layer(cfg, w, **k):
+        made.append((cfg, w))
+        raise Built  # stop once the layer is built: its compute is not what this checks
+
+    monkeypatch.setattr("moe_ep.layer.MoEEpLayer", layer)
+    monkeypatch.setattr("moe_ep.weights.ExpertWeights", lambda w13, w2, fmt="bf16", **k: fmt)
+    args.seed, args.kernel_list = 0, ["layer"]
+    b = bench.Bench.__new__(bench.Bench)
+    b.p, b.world, b.args, b.dev = get_preset("small"), 1, args, torch.device("cpu")
+    b.w13, b.w2, b.gen = torch.zeros(8, 1024, 256), torch.zeros(8, 256, 512), torch.Generator().manual_seed(0)
+    with pytest.raises(Built):
+        b.row("layer", 2, "ll-expert_major")
+    [(cfg, fmt)] = made
+    assert (cfg.weight_format.value, cfg.activation_format.value, fmt) == ("fp8", "fp8", "fp8")
+
+
+def test_tune_formats_name_what_is_allowed(capsys):
+    from moe_ep.commands import tune
+    shapes = tune.shapes(get_preset("small"), ["gemm1"], ["fp8"], [8])
+    assert [(s["fp8"], s["w_fp4"]) for s in shapes] == [(True, False)]
+    assert main(["tune", *TINY, "--formats", "fp9"]) == 2
+    assert "bf16, nvfp4, fp8" in capsys.readouterr().err
+
+
+def test_demo_ranks_build_the_layer_in_the_formats(monkeypatch, tmp_path):
+    """A demo rank (run in this process, world 1) builds EpConfig and the weights in the options' formats."""
+    import argparse
+    import types
+
+    import torch.distributed as dist
+
+    import moe_ep.cli as cli
+    made = []
+
+    class Built(Exception):
+        pass
+
+    def layer(cfg, w, **k):
+        made.append((cfg, w))
+        raise Built
+
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(moe_ep, "MoEEpLayer", layer)
+    monkeypatch.setattr(moe_ep, "ExpertWeights", types.SimpleNamespace(from_global=lambda *a, **k: a[4]))
+    args = argparse.Namespace(experts=2, top_k=1, hidden=128, inter=32, tokens=2, weight_format="fp8",
+                              activation_format="fp8")
+    with pytest.raises(Built):
+        cli._demo_worker(0, 1, str(tmp_path / "store"), args, None)
+    [(cfg, fmt)] = made
+    assert (cfg.weight_format.value, cfg.activation_format.value, fmt) == ("fp8", "fp8", "fp8")

@@ -20,7 +20,8 @@ CONFIG_CASES = [
     (dict(algorithm="ht", layout="rank_major"), "layout"),
     (dict(algorithm="ll", layout="flat"), "layout"),
     (dict(algorithm="fast"), "algorithm"),
-    (dict(weight_format="fp8"), "weight_format"),
+    (dict(weight_format="fp4"), "weight_format"),
+    (dict(activation_format="fp8"), "activation_format"),   # FP8 activations need FP8 weights
 ]
 
 

@@ -11,6 +11,7 @@ import torch
 from moe_ep.compute import COMPUTE, expert_compute
 from moe_ep.config import SUPPORTED_LAYOUTS, Algorithm, EpConfig, Layout
 from moe_ep.errors import MoEEpConfigError, MoEEpInputError
+from moe_ep.kernels.fp8 import Fp8Tensor
 from moe_ep.kernels.nvfp4 import NvFp4Tensor
 from moe_ep.layout_contract import (RESULT_TYPES, HighThroughputExpertMajor, HighThroughputFlat,
                                     LowLatencyExpertMajor, LowLatencyRankMajor, result_type)
@@ -32,6 +33,12 @@ def nvfp4(*lead):
                        torch.Size((*lead, H)))
 
 
+def fp8(*lead, block_rows=1):
+    """An Fp8Tensor [*lead, H] (e4m3 data; fp32 scales, one per row per 128 channels unless block_rows says)."""
+    rows = lead[-1] if block_rows == 1 else -(-lead[-1] // block_rows)
+    return Fp8Tensor(z(*lead, H, dt=torch.float8_e4m3fn), z(*lead[:-1], rows, -(-H // 128), dt=f32), block_rows)
+
+
 VALID = {
     LowLatencyExpertMajor: dict(tokens=z(L, R * T, H), expert_counts=z(L, dt=i32)),
     LowLatencyRankMajor: dict(tokens=z(R, T, H), topk_idx=z(R, T, K, dt=i32), topk_weights=z(R, T, K, dt=f32),
@@ -48,6 +55,10 @@ BAD = [
     (LowLatencyExpertMajor, "tokens", z(L * R * T, H)),                          # rank
     (LowLatencyExpertMajor, "tokens", z(L, R * T, H // 2, dt=torch.uint8)),     # packed codes without their scales
     (LowLatencyExpertMajor, "tokens", nvfp4(L * R * T)),                         # NVFP4 of the wrong rank
+    (LowLatencyExpertMajor, "tokens", fp8(L * R * T)),                           # FP8 of the wrong rank
+    (LowLatencyExpertMajor, "tokens", fp8(L, R * T, block_rows=128)),            # weight-style 128x128 blocks
+    (LowLatencyExpertMajor, "tokens", z(L, R * T, H, dt=torch.float8_e4m3fn)),  # e4m3 codes without their scales
+    (HighThroughputFlat, "tokens", fp8(1, S)),
     (LowLatencyExpertMajor, "expert_counts", z(L, dt=i64)),
     (LowLatencyExpertMajor, "expert_counts", z(L + 1, dt=i32)),
     (LowLatencyExpertMajor, "expert_counts", None),
@@ -75,12 +86,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("kind", VALID, ids=lambda t: t.__name__)
-def test_valid_results_build_with_bf16_or_nvfp4_tokens(kind):
+def test_valid_results_build_with_bf16_nvfp4_or_fp8_tokens(kind):
     fields = VALID[kind]
     res = kind(**fields)
     assert res.tokens is fields["tokens"]
     lead = tuple(fields["tokens"].shape[:-1])
     assert kind(**{**fields, "tokens": nvfp4(*lead)}).tokens.shape == (*lead, H)
+    assert kind(**{**fields, "tokens": fp8(*lead)}).tokens.shape == (*lead, H)
 
 
 @pytest.mark.parametrize("kind,field,bad", BAD, ids=lambda v: v.__name__ if isinstance(v, type) else

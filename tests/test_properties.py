@@ -2,6 +2,7 @@
 the same kernel with a planted fault (one code, one value, one count or one padding row off)."""
 
 import pytest
+import torch
 
 import moe_ep.layer
 from moe_ep import kernels
@@ -49,6 +50,14 @@ def _miscount(f):
     return wrong
 
 
+def _flip_an_fp8_code(f):
+    def wrong(*a, **k):
+        q = f(*a, **k)
+        q.data.view(torch.uint8)[..., 0] ^= 1
+        return q
+    return wrong
+
+
 def _one_scale_for_the_batch(f):
     return lambda x, *a: nvfp4.nvfp4_global_scale(x).expand(x.shape[:-1]).contiguous()
 
@@ -80,6 +89,7 @@ FAULTS = [  # (check, case, where the kernel lives, its name there, the fault, w
     (P.check_quantize_tokens, QUANT, nvfp4, "nvfp4_row_global_scale", _one_scale_for_the_batch, "global scales"),
     (P.check_layer_batch_invariance, LAYER, torch_dist, "quantize_nvfp4_tokens", _quantize_with_one_batch_scale,
      "batch variance"),
+    (P.check_dispatch_fp8, LAYER, torch_dist, "quantize_fp8", _flip_an_fp8_code, "FP8 payload codes"),
 ]
 
 

@@ -104,3 +104,61 @@ def test_layer_on_real_transport_matches_portable(pg, name, alg, lay, graph):
     finally:
         real.transport.close()
 
+
+
+def _run_fp8(t, c, want, dev=torch.device("cuda")):
+    """FP8 activations: every valid received row is ``want`` of one sent token, bit for bit (the rows' order within
+    an expert or rank is the library's), and combine over the payload's value matches the toy reference."""
+    from moe_ep.kernels.fp8 import Fp8Tensor
+    from moe_ep.testing.toy_transport import valid_rows
+    for B in (c.max_tokens_per_rank, 5, 1):
+        x = torch.randn(B, c.hidden_size, device=dev).to(torch.bfloat16)
+        idx = torch.rand(B, c.num_experts, device=dev).topk(c.top_k, -1).indices
+        idx[torch.rand(B, c.top_k, device=dev) < 0.2] = -1
+        w = torch.rand(B, c.top_k, device=dev)
+        res = t.dispatch(x, idx, w)
+        q = res.tokens
+        assert isinstance(q, Fp8Tensor) and q.scales.is_contiguous()
+        data, scales = want(x)
+        sent = {(bytes(data[b].view(torch.uint8).tolist()), tuple(scales[b].tolist())) for b in range(B)}
+        ok = valid_rows(res)
+        rows, sc = q.data[ok].cpu(), q.scales[ok].cpu()
+        for r in range(rows.shape[0]):
+            assert (bytes(rows[r].view(torch.uint8).tolist()), tuple(sc[r].tolist())) in sent, r
+        out = t.combine(toy_compute(res, c, 0, 1))   # the toy experts take FP8 tokens at their value
+        torch.testing.assert_close(out.float(), toy_reference(x, idx, w), rtol=8e-2, atol=8e-2 * x.abs().max().item())
+
+
+@pytest.mark.parametrize("alg,lay", LAYOUTS)
+def test_nccl_ep_fp8_world1(pg, alg, lay):
+    """LL: the DS_FP8E3M4 recipe (DeepEP's cast, as the stand-in models it); HT: our quantize_fp8, forwarded."""
+    why = nccl_ep_problem()
+    if why:
+        pytest.skip(f"nccl_ep unavailable: {why}")
+    from fake_nccl_ep import ds_fp8e3m4
+
+    from moe_ep.kernels.fp8 import quantize_fp8
+    from moe_ep.transports.nccl_ep import NcclEpTransport
+    c = EpConfig(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=256, max_tokens_per_rank=64,
+                 algorithm=alg, layout=lay, weight_format="fp8", activation_format="fp8")
+    t = NcclEpTransport(c)
+    try:
+        _run_fp8(t, c, ds_fp8e3m4 if alg == "ll" else (lambda x: (lambda q: (q.data, q.scales))(quantize_fp8(x))))
+    finally:
+        t.close()
+
+
+def test_nixl_ep_fp8_world1(pg):
+    why = nixl_ep_problem()
+    if why:
+        pytest.skip(f"nixl_ep unavailable: {why}")
+    from fake_nccl_ep import ds_fp8e3m4
+
+    from moe_ep.transports.nixl_ep import NixlEpTransport
+    c = EpConfig(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=256, max_tokens_per_rank=64,
+                 weight_format="fp8", activation_format="fp8")
+    t = NixlEpTransport(c)
+    try:
+        _run_fp8(t, c, ds_fp8e3m4)
+    finally:
+        t.close()

@@ -16,7 +16,8 @@ Rows (``--kernels``):
   inside, W8A8); same bf16 peer; the FLOP floor at ``--peak-flops-fp8``.
 * ``quant`` — ``quantize_nvfp4`` of ``[S, H]``; peer the torch reference.
 * ``bridge`` — route + permute + weighted unpermute-reduce of ``[T, K]`` picks; peer torch (argsort, index_add).
-* ``layer`` — ``MoEEpLayer`` forward per ``--layouts``; the layer is built with L local experts per rank and
+* ``layer`` — ``MoEEpLayer`` forward per ``--layouts``, in ``--weight-format`` / ``--activation-format`` (bf16
+  by default; the floor counts the weights' bytes in their format); the layer is built with L local experts per rank and
   ``L * world`` experts in all, so each rank's expert load at T tokens matches the full deployment's.
   Peer: a torch MoE (argsort, ``_grouped_mm``, index_add) over this rank's experts (no communication); ``diff``:
   against the dense fp32 MoE over all experts (each rank rebuilds any expert's weights from the seed).
@@ -35,8 +36,8 @@ import torch
 from ..config import SUPPORTED_LAYOUTS
 from ..errors import MoEEpInputError
 from ..triton_runtime import INTERPRETER, device
-from .common import (PRESETS, add_shape_arguments, dist_setup, dist_teardown, int_list, name_list, preset_from_args,
-                     print_table, progress, versions, write_json)
+from .common import (PRESETS, add_format_arguments, add_shape_arguments, check_layer_shape, dist_setup, dist_teardown,
+                     int_list, name_list, preset_from_args, print_table, progress, versions, write_json)
 from .timing import time_call, time_loop, time_pair
 
 KERNELS = ("mlp", "mlp-nvfp4", "mlp-fp8", "quant", "bridge", "layer")
@@ -45,6 +46,7 @@ LAYOUTS = tuple(f"{a.value}-{lay.value}" for a, lay in SUPPORTED_LAYOUTS)
 
 def add_arguments(parser) -> None:
     add_shape_arguments(parser)
+    add_format_arguments(parser)   # the layer rows' formats
     parser.add_argument("--presets", default=None, help="comma-separated presets (default: --preset)")
     parser.add_argument("--tokens", default=None,
                         help="tokens per rank to sweep (default 1,8,64,512,4096 on a GPU, 2 on the CPU)")
@@ -241,8 +243,9 @@ class Bench:
             from ..weights import ExpertWeights
             alg, lay = layout.split("-")
             E = L * self.world
-            cfg = EpConfig(E, K, H, I, max(T, 1), algorithm=alg, layout=lay)
-            layer = MoEEpLayer(cfg, ExpertWeights(self.w13, self.w2))
+            wf, af = self.args.weight_format, self.args.activation_format
+            cfg = EpConfig(E, K, H, I, max(T, 1), algorithm=alg, layout=lay, weight_format=wf, activation_format=af)
+            layer = MoEEpLayer(cfg, ExpertWeights(self.w13, self.w2, wf))
             x = self.randn(T, H)
             idx, wts = _routing(T, K, E, self.gen, self.dev)
             ours = lambda: layer(x, idx, wts, validate=False)  # noqa: E731
@@ -254,7 +257,7 @@ class Bench:
             peer_name = "torch MoE (argsort, " + ("_grouped_mm" if self.gmm is not None else "reference MLP") + \
                 ", index_add)" + (", compute only, no communication" if self.world > 1 else "")
             counts = torch.bincount(idx.reshape(-1).cpu(), minlength=E)[layer.rank * L:(layer.rank + 1) * L]
-            nbytes = _weight_bytes(counts, H, I, False) + 2 * T * H * 2
+            nbytes = _weight_bytes(counts, H, I, wf == "nvfp4", wf == "fp8") + 2 * T * H * 2
             flops = 6.0 * int(counts.sum()) * H * I
             kernel = f"layer[{layout}]"
         else:  # guarded by name_list; kept for direct callers
@@ -353,6 +356,8 @@ def run(args) -> int:
     for p in presets:
         if p.experts % p.ep and not args.experts:
             raise MoEEpInputError(f"preset {p.name}: experts {p.experts} not divisible by ep {p.ep}")
+        if "layer" in args.kernel_list:  # the layer rows' formats against EpConfig's rules, before any work
+            check_layer_shape(p, max(tokens), 1, args.weight_format, args.activation_format)
     dev = device()
     jobs = [(k, lay) for k in args.kernel_list for lay in (layouts if k == "layer" else [None])]
     rows = []

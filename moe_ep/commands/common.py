@@ -66,8 +66,21 @@ def get_preset(name: str, *, hidden: int | None = None, intermediate: int | None
 
 
 SHAPE_OPTIONS = {"num_experts": "--experts", "top_k": "--top-k", "hidden_size": "--hidden",
-                 "intermediate_size": "--intermediate", "max_tokens_per_rank": "--tokens"}
+                 "intermediate_size": "--intermediate", "max_tokens_per_rank": "--tokens",
+                 "weight_format": "--weight-format", "activation_format": "--activation-format"}
 """EpConfig field -> the command-line option that sets it."""
+
+
+def add_format_arguments(parser) -> None:
+    """``--weight-format`` and ``--activation-format`` of the layer a subcommand builds, the same names everywhere;
+    checked with the model shape by :func:`check_layer_shape` (EpConfig's rules: fp8 activations need fp8
+    weights)."""
+    from ..config import Format
+    names = ", ".join(f.value for f in Format)
+    parser.add_argument("--weight-format", default="bf16", help=f"the experts' weight format: {names} (default bf16)")
+    parser.add_argument("--activation-format", default="bf16",
+                        help=f"the format dispatch carries and the experts consume: {names} (default bf16; fp8 "
+                        "needs --weight-format fp8)")
 
 
 def add_shape_arguments(parser) -> None:
@@ -87,9 +100,11 @@ def preset_from_args(args, name: str | None = None) -> Preset:
                       experts=args.experts, top_k=args.top_k)
 
 
-def check_layer_shape(p: Preset, tokens: int, ranks: int) -> None:
-    """The layer shape of ``p`` at ``tokens`` per rank over ``ranks`` ranks, validated by :class:`EpConfig` before
-    any work starts; its error names the command-line option (``--hidden = 100; allowed: ...``)."""
+def check_layer_shape(p: Preset, tokens: int, ranks: int, weight_format: str = "bf16",
+                      activation_format: str = "bf16") -> None:
+    """The layer shape of ``p`` at ``tokens`` per rank over ``ranks`` ranks, in these formats, validated by
+    :class:`EpConfig` before any work starts; its error names the command-line option (``--hidden = 100;
+    allowed: ...``, ``--activation-format = 'fp8'; allowed: ... with --weight-format 'bf16'``)."""
     import re
 
     from ..config import EpConfig
@@ -99,12 +114,14 @@ def check_layer_shape(p: Preset, tokens: int, ranks: int) -> None:
         raise MoEEpInputError(f"--ranks = {ranks}; allowed: a divisor of --experts ({p.experts}): "
                               f"{', '.join(map(str, divisors))}")
     try:
-        EpConfig(p.experts, p.top_k, p.hidden, p.intermediate, tokens)
+        EpConfig(p.experts, p.top_k, p.hidden, p.intermediate, tokens, weight_format=weight_format,
+                 activation_format=activation_format)
     except MoEEpConfigError as e:
         m = re.match(r"EpConfig\.(\w+) = (.*)", str(e), re.DOTALL)
         if m is None or m.group(1) not in SHAPE_OPTIONS:
             raise
-        raise MoEEpInputError(f"{SHAPE_OPTIONS[m.group(1)]} = {m.group(2)} (EpConfig.{m.group(1)})") from None
+        said = re.sub(r"\b(weight_format|activation_format)\b", lambda f: SHAPE_OPTIONS[f.group(1)], m.group(2))
+        raise MoEEpInputError(f"{SHAPE_OPTIONS[m.group(1)]} = {said} (EpConfig.{m.group(1)})") from None
 
 
 def plain(doc: str | None) -> str:

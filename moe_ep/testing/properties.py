@@ -325,6 +325,34 @@ def check_layer_batch_invariance(c: dict, dev) -> None:
         assert bool(torch.isnan(out2[1]).all()), "an Inf token with experts comes out NaN (per-token scales)"
 
 
+def check_dispatch_fp8(c: dict, dev) -> None:
+    """The portable transport at world size 1 with FP8 activations on a :func:`~.strategies.layer_cases` case (its
+    layout, H and tokens; the formats are FP8's): the dispatched ``Fp8Tensor`` holds, in every valid slot,
+    ``quantize_fp8_ref`` (block_rows 1) of the row the bf16 dispatch of the same inputs holds there, bit for bit;
+    combine (the toy experts on the payload's value) returns ``[B, H]`` bf16."""
+    from ..config import EpConfig
+    from ..kernels.fp8 import Fp8Tensor
+    from ..reference import quantize_fp8_ref
+    from ..transports.torch_dist import TorchDistTransport
+    from .toy_transport import toy_compute, valid_rows
+    x, idx, wts, _, _ = S.make_layer_inputs(c)
+    alg, lay = c["layout"]
+    kw = dict(num_experts=c["E"], top_k=c["K"], hidden_size=c["H"], intermediate_size=c["I"],
+              max_tokens_per_rank=max(c["B"], 1), algorithm=alg, layout=lay)
+    t8 = TorchDistTransport(EpConfig(**kw, weight_format="fp8", activation_format="fp8"), device=dev)
+    t16 = TorchDistTransport(EpConfig(**kw), device=dev)
+    x, idx, wts = x.to(dev), idx.to(dev), wts.to(dev)
+    r8, r16 = t8.dispatch(x, idx, wts), t16.dispatch(x, idx, wts)
+    assert isinstance(r8.tokens, Fp8Tensor) and r8.tokens.block_rows == 1, f"FP8 payload {type(r8.tokens)}"
+    ok = valid_rows(r16)
+    assert torch.equal(ok, valid_rows(r8)), "the FP8 dispatch's valid slots differ from the bf16 dispatch's"
+    q, s = quantize_fp8_ref(r16.tokens[ok], 1)
+    assert_bits_equal(r8.tokens.data[ok], q, "FP8 payload codes")
+    assert_bits_equal(r8.tokens.scales[ok], s, "FP8 payload scales")
+    out = t8.combine(toy_compute(r8, t8.config, 0, 1))
+    assert tuple(out.shape) == tuple(x.shape) and out.dtype == torch.bfloat16, f"combine {tuple(out.shape)}"
+
+
 class Property(NamedTuple):
     """A target: the strategy of its cases for given :class:`~.strategies.Bounds`, and its check."""
 
@@ -346,4 +374,5 @@ PROPERTIES = {
     "unpermute_reduce": Property(S.route_cases, check_unpermute_reduce),
     "layer": Property(S.layer_cases, check_layer),
     "layer_batch_invariance": Property(S.layer_cases, check_layer_batch_invariance),
+    "dispatch_fp8": Property(S.layer_cases, check_dispatch_fp8),
 }

@@ -3,14 +3,18 @@
 Expert ``e`` (global id) multiplies a row by ``2**-(e % 3)`` (exact in bf16). ``toy_compute`` turns a dispatch
 result (``moe_ep.layout_contract``) into what combine expects for its layout (weights applied where the contract
 says); ``toy_reference`` is what combine must then return: ``out[b] = sum_k w[b,k] * 2**-(e_bk % 3) * x[b]``.
-Rows past the valid counts are never read (they may be garbage, NaN included).
+Rows past the valid counts are never read (they may be garbage, NaN included); :func:`valid_rows` says which are
+valid. FP8 tokens (an ``Fp8Tensor``) go through the toy experts as their value, ``data * scale``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config import EpConfig
+from ..kernels.fp8 import Fp8Tensor
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor)
 
@@ -66,9 +70,25 @@ TOY_COMPUTE = {LowLatencyExpertMajor: _ll_expert_major, LowLatencyRankMajor: _ll
 
 
 def toy_compute(res: DispatchResult, config: EpConfig, rank: int, world: int) -> torch.Tensor:
-    """The compute's output for ``res`` (bf16 tokens) in its layout's shape."""
+    """The compute's output for ``res`` (bf16 tokens, or FP8 ones taken at their value) in its layout's shape."""
+    if isinstance(res.tokens, Fp8Tensor):
+        from ..reference import dequantize_fp8_ref
+        q = res.tokens
+        res = dataclasses.replace(res, tokens=dequantize_fp8_ref(q.data, q.scales, 1).to(torch.bfloat16))
     L = config.local_experts(world)
     return TOY_COMPUTE[type(res)](res, L, rank * L)
+
+
+def valid_rows(res: DispatchResult) -> torch.Tensor:
+    """Which rows of ``res.tokens`` the layout contract says are valid: bool, the tokens' leading shape, on their
+    device (expert e's first ``expert_counts[e]``, rank r's first ``src_rank_counts[r]``, or the first
+    ``num_recv``)."""
+    n, dev = res.tokens.shape, res.tokens.device
+    if isinstance(res, LowLatencyExpertMajor):
+        return torch.arange(n[1], device=dev) < res.expert_counts.long().view(-1, 1)
+    if isinstance(res, LowLatencyRankMajor):
+        return torch.arange(n[1], device=dev) < res.src_rank_counts.long().view(-1, 1)
+    return torch.arange(n[0], device=dev) < res.num_recv.long()
 
 
 def toy_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

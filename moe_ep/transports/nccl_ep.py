@@ -21,6 +21,17 @@ LL dispatch also takes ``inputs.topk_weights`` for RANK_MAJOR; HT (forward pass)
 = 12, ``[B, H/2]``) plus one raw ``uint8`` scale row per token (FWD accepts raw uint8 scales of any 16-byte
 multiple width): the ``H/16`` e4m3 block scales, then the fp32 global scale, zero padded to ``H/16 + 16``
 bytes. The received ``tokens`` are an ``NvFp4Tensor`` with linear scales and a per-row ``global_scale``.
+
+FP8 activations (the received ``tokens`` are an ``Fp8Tensor``, block_rows 1: e4m3 ``[..., H]`` + fp32
+``[..., ceil(H/128)]``):
+- LL: ``DispatchQuantizationRecipe.DS_FP8E3M4`` (``nccl_ep.h``: LL only, "the caller supplies BF16 tokens; dispatch
+  emits E4M3 token bytes and generated FP32 scales, one per 128 token elements", H a multiple of 512, no input
+  scales, ``outputs.scales`` fp32 ``[*lead, H/128]``). bf16 rows go in and the library quantizes them while it
+  sends, by DeepEP's rule, not ours (DESIGN.md, FP8): ``amax = max(|x| over 128, 1e-4)``, scale ``amax * fp32(1/448)``,
+  code ``e4m3_satfinite(x * (448 / amax))``; the value is still ``data * scale``.
+- HT (the recipe is LL only): ``FWD`` with caller-made tokens, as NVFP4: each token quantized once here
+  (``quantize_fp8``, our definition, bit-exact), ``ncclFloat8e4m3`` rows ``[B, H]`` plus raw ``uint8`` scale rows
+  (the fp32 scales' bytes, zero padded to a multiple of 16 bytes), split into contiguous fp32 scales on receipt.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check, fail
+from ..kernels.fp8 import FP8_BLOCK
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
 from ..triton_runtime import device as kernel_device
@@ -43,6 +55,13 @@ RECV_TOPK_IDX_DTYPE = {(Algorithm.LOW_LATENCY, Layout.RANK_MAJOR): torch.int32,
                        (Algorithm.HIGH_THROUGHPUT, Layout.FLAT): torch.int64}
 HT_EM_COUNTER_DTYPE = torch.int64   # "all preprocessing int output tensors must share dtype"
 RECV_TOPK_IDX_KIND = "LOCAL"        # ExpertIdKind member: pinned (AUTO "may change in a future release")
+DS_FP8_HIDDEN_MULTIPLE = 512        # DS_FP8E3M4: "tokens must be 2D with hidden divisible by 512" (nccl_ep.h)
+
+
+def fp8_scale_row_bytes(hidden_size: int) -> int:
+    """Bytes of one token's raw scale row on HT's FWD path: its ceil(H/128) fp32 scales, zero padded to a multiple
+    of 16 (FWD: "scale bytes per token must be non-zero and 16-byte aligned")."""
+    return -(-4 * -(-hidden_size // FP8_BLOCK) // 16) * 16
 
 
 def load_nccl_ep():
@@ -111,6 +130,10 @@ class NcclEpTransport:
         self.ht = c.algorithm is Algorithm.HIGH_THROUGHPUT
         self.graph_capturable = not self.ht  # LL: captured and replayed in tests (1 and 2 ranks); HT: not verified
         self.fp4 = c.activation_format is Format.NVFP4
+        fp8 = c.activation_format is Format.FP8
+        self.fp8_ds = fp8 and not self.ht     # LL: the library's DS_FP8E3M4 recipe quantizes bf16 rows
+        self.fp8_fwd = fp8 and self.ht        # HT: our quantize, forwarded (FWD)
+        self.n_scales = -(-c.hidden_size // FP8_BLOCK)
         if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
             raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
                                    f"<= {HT_MAX_TOKENS_PER_RANK} with HIGH_THROUGHPUT on transport 'nccl_ep'")
@@ -123,6 +146,10 @@ class NcclEpTransport:
             # non-zero and 16-byte aligned" -> H/16 bytes % 16 == 0
             raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with NVFP4 activations on "
                                    "transport 'nccl_ep': a multiple of 256 (16-byte rows of e4m3 scales)")
+        if self.fp8_ds and c.hidden_size % DS_FP8_HIDDEN_MULTIPLE:
+            raise MoEEpConfigError(f"EpConfig.hidden_size = {c.hidden_size}; allowed with FP8 activations and "
+                                   f"LOW_LATENCY on transport 'nccl_ep': a multiple of {DS_FP8_HIDDEN_MULTIPLE} (its "
+                                   "DS_FP8E3M4 dispatch recipe)")
         self.ep = ep = ep if ep is not None else load_nccl_ep()   # after the config checks: they need no library
         self.device = torch.device(device) if device is not None else kernel_device()
         self.ep_layout = {Layout.EXPERT_MAJOR: ep.Layout.EXPERT_MAJOR, Layout.RANK_MAJOR: ep.Layout.RANK_MAJOR,
@@ -152,7 +179,17 @@ class NcclEpTransport:
         z = lambda *s, dt: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         lead, recv = RECEIVE_BUFFERS[self.kind](z, R, T, L, K, self.budget)
         b = self.bufs = {}
-        b["tokens"] = z(*lead, H // 2 if self.fp4 else H, dt=torch.uint8 if self.fp4 else torch.bfloat16)
+        e4m3 = torch.float8_e4m3fn
+        b["tokens"] = z(*lead, H // 2 if self.fp4 else H,
+                        dt=torch.uint8 if self.fp4 else e4m3 if self.fp8_ds or self.fp8_fwd else torch.bfloat16)
+        if self.fp8_ds:
+            b["scales"] = z(*lead, self.n_scales, dt=torch.float32)       # the recipe writes them here
+        if self.fp8_fwd:
+            w = fp8_scale_row_bytes(H)
+            b["scale_rows"] = z(*lead, w, dt=torch.uint8)                  # what travels: fp32 scale bytes, pad
+            b["scales"] = z(*lead, self.n_scales, dt=torch.float32)        # what the compute reads (contiguous)
+            b["x_scale_rows"] = z(T, w, dt=torch.uint8)                    # the send side's rows
+            b["x_codes"] = z(T, H, dt=e4m3)                                # ... and codes (same address each step)
         if self.fp4:
             b["scale_rows"] = z(*lead, H // 16 + 16, dt=torch.uint8)   # what travels: e4m3 scales, fp32 gs, pad
             b["scales"] = z(*lead, H // 16, dt=torch.float8_e4m3fn)     # what the compute reads (contiguous)
@@ -180,9 +217,9 @@ class NcclEpTransport:
                 recv_topk_idx_kind=ep.ExpertIdKind[RECV_TOPK_IDX_KIND])
         self.dispatch_out = ep.DispatchOutputs(
             tokens=self._desc(b["tokens"], fp4=self.fp4), topk_weights=self._opt(b.get("topk_weights")),
-            scales=self._opt(b.get("scale_rows")), topk_idx=self._opt(b.get("topk_idx")))
-        self.dispatch_cfg = ep.DispatchConfig(
-            quantization_recipe=ep.DispatchQuantizationRecipe.FWD if self.fp4 else ep.DispatchQuantizationRecipe.NONE)
+            scales=self._opt(b.get("scale_rows", b.get("scales"))), topk_idx=self._opt(b.get("topk_idx")))
+        recipe = "DS_FP8E3M4" if self.fp8_ds else "FWD" if self.fp4 or self.fp8_fwd else "NONE"
+        self.dispatch_cfg = ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe[recipe])
 
     def _opt(self, t):
         return None if t is None else self._desc(t)
@@ -212,7 +249,8 @@ class NcclEpTransport:
     def dispatch(self, hidden_states, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         """Send each token to its experts' ranks; returns the layout's result type (views of owned buffers).
 
-        ``hidden_states``: bf16 ``[B, H]`` (with NVFP4 activations quantized here, see the module docstring).
+        ``hidden_states``: bf16 ``[B, H]`` (with NVFP4 activations, and FP8 ones on HT, quantized here; FP8 on LL
+        by the library's recipe: see the module docstring).
         ``topk_idx`` ``[B, K]`` global ids (-1 = none), int64 (other dtypes are
         copied into an owned int64 buffer first: ``Group.create_handle`` documents int64); ``topk_weights``
         ``[B, K]`` float32 (likewise). The descriptors of a step are cached by the inputs' addresses, so
@@ -225,11 +263,11 @@ class NcclEpTransport:
                 self._pad = padding_row(hidden_states, topk_idx, topk_weights, self.config.top_k)
             hidden_states, topk_idx, topk_weights = self._pad
         x, xs = hidden_states, None
-        if self.fp4:
+        if self.fp4 or self.fp8_fwd:
             if not (x.dtype == torch.bfloat16 and x.dim() == 2):
                 fail("hidden_states", f"{tuple(x.shape)} {x.dtype}",
-                     "bf16 [B, H] (NVFP4 activations are quantized by the transport)")
-            x, xs = self._quantize(x)
+                     f"bf16 [B, H] ({self.config.activation_format.name} activations are quantized by the transport)")
+            x, xs = self._quantize_fp8(x) if self.fp8_fwd else self._quantize(x)
         if topk_idx.dtype is not torch.int64:   # staged into an owned buffer: same address every step
             topk_idx = self.bufs["idx_in"][:topk_idx.shape[0]].copy_(topk_idx)
         if topk_weights.dtype is not torch.float32:
@@ -257,6 +295,9 @@ class NcclEpTransport:
             b, h16 = self.bufs, self.config.hidden_size // 16
             b["scales"].view(torch.uint8).copy_(b["scale_rows"][..., :h16])
             b["row_gs"].view(torch.uint8).view(*b["row_gs"].shape, 4).copy_(b["scale_rows"][..., h16:h16 + 4])
+        elif self.fp8_fwd:  # the received scale rows' fp32 bytes into the compute's contiguous scales
+            b = self.bufs
+            b["scales"].view(torch.uint8).copy_(b["scale_rows"][..., :4 * self.n_scales])
         if self._result is None:  # after the library's first call, so its own checks on the buffers come first
             self._result = self._make_result()
         return self._result
@@ -271,10 +312,20 @@ class NcclEpTransport:
         rows[:, h16:h16 + 4].copy_(q.global_scale.reshape(B, 1).view(torch.uint8))
         return self.bufs["x_codes"][:B].copy_(q.data), rows
 
+    def _quantize_fp8(self, x: torch.Tensor):
+        """FP8 codes of ``x`` (``quantize_fp8``, one scale per token per 128 channels) and their scale rows (the fp32
+        scales' bytes, zero padded). Non-finite tokens: the layer's validate refuses them before dispatch."""
+        from ..kernels.fp8 import quantize_fp8
+        B = x.shape[0]
+        q = quantize_fp8(x, 1, check_finite=False)
+        rows = self.bufs["x_scale_rows"][:B]
+        rows[:, :4 * self.n_scales].copy_(q.scales.view(torch.uint8))
+        return self.bufs["x_codes"][:B].copy_(q.data), rows
+
     def _plan(self, x, xs, topk_idx, topk_weights):
         """Validate a new input signature and build its descriptors and bundles (once)."""
         c, b = self.config, self.bufs
-        if not self.fp4:
+        if not (self.fp4 or self.fp8_fwd):
             check(x.dtype == torch.bfloat16, "hidden_states.dtype", x.dtype, "torch.bfloat16")
         B = x.shape[0]
         H = c.hidden_size // 2 if self.fp4 else c.hidden_size
@@ -286,7 +337,7 @@ class NcclEpTransport:
         in_combine = self.kind.weights_applied_by_combine   # else dispatch carries the weights to the compute
         inputs = self._bundle("DispatchInputs", tokens=self._desc(x, fp4=self.fp4),  # x: codes if NVFP4
                               topk_weights=None if in_combine else self._desc(topk_weights),
-                              scales=self._desc(xs) if self.fp4 else None)
+                              scales=None if xs is None else self._desc(xs))
         out = b["out"][:B]
         cout = self._bundle("CombineOutputs", tokens=self._desc(out),
                             topk_weights=self._desc(topk_weights) if in_combine else None)
@@ -300,6 +351,9 @@ class NcclEpTransport:
             from ..kernels.nvfp4 import NvFp4Tensor
             tokens = NvFp4Tensor(tokens, b["scales"], b["row_gs"],
                                  torch.Size((*tokens.shape[:-1], self.config.hidden_size)))
+        elif "scales" in b:  # FP8 (either recipe): contiguous fp32 scales beside the e4m3 rows
+            from ..kernels.fp8 import Fp8Tensor
+            tokens = Fp8Tensor(tokens, b["scales"])
         fields = {name: b[name] for name in self._recv_fields}
         if "num_recv" in fields:  # the library's counter is [1]; the contract's num_recv is its 0-d view
             fields["num_recv"] = fields["num_recv"][0]

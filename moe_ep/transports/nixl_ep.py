@@ -2,7 +2,12 @@
 
 Supported: LOW_LATENCY + EXPERT_MAJOR with bf16 activations (``low_latency_dispatch(..., use_fp8=False)``
 returns ``[L, R*T, H]`` bf16 rows and ``[L]`` int32 counts; ``low_latency_combine`` applies the routing
-weights on the receive side), which is this layout's contract. Everything else is a MoEEpConfigError:
+weights on the receive side), which is this layout's contract, and with FP8 activations (``use_fp8=True``,
+``round_scale=False``, ``use_ue8m0=False``: bf16 rows in, the library quantizes them while it sends, by DeepEP's
+rule (DESIGN.md, FP8); out come e4m3 ``[L, R*T, H]`` and fp32 scales ``[L, R*T, H/128]`` whose last two dims
+are column-major (TMA's layout), copied into an owned contiguous buffer: the result's ``tokens`` is an
+``Fp8Tensor``; H a multiple of 512, ``EP_HOST_ASSERT(hidden % 512 == 0)``). Everything else is a
+MoEEpConfigError:
 - HIGH_THROUGHPUT: the library's HT path asserts ``num_ranks > NUM_MAX_NVL_PEERS (8) or low_latency_mode``
   and ``num_ranks % NUM_MAX_NVL_PEERS == 0`` (strings in ``nixl_ep_cpp_torch21x*.so``): it needs >= 16 ranks
   on several nodes, and it has no static receive size, so it is not offered by this transport.
@@ -24,6 +29,7 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, fail
+from ..kernels.fp8 import FP8_BLOCK, Fp8Tensor
 from ..layout_contract import LowLatencyExpertMajor
 from ..triton_runtime import device as kernel_device
 from .base import group_rank_world, padding_row
@@ -33,6 +39,8 @@ _instances = itertools.count()
 # ai-dynamo/nixl examples/device/ep; others hit "Unsupported hidden") and at most 16 picks (kNumMaxTopK)
 LL_HIDDEN_SIZES = (2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
 LL_MAX_TOP_K = 16
+FP8_HIDDEN_MULTIPLE = 512  # use_fp8: EP_HOST_ASSERT(hidden % 512 == 0) in the LL dispatch
+ACTIVATION_FORMATS = (Format.BF16, Format.FP8)  # bf16 rows, or the LL kernels' own FP8 cast (use_fp8)
 
 
 def load_nixl_ep():
@@ -55,9 +63,12 @@ def check_nixl_config(config: EpConfig, world: int) -> None:
     if config.layout is not Layout.EXPERT_MAJOR:
         raise MoEEpConfigError(f"EpConfig.layout = {config.layout.value!r}; allowed with transport 'nixl_ep': "
                                "'expert_major'")
-    if config.activation_format is not Format.BF16:
+    if config.activation_format not in ACTIVATION_FORMATS:
         raise MoEEpConfigError(f"EpConfig.activation_format = {config.activation_format.value!r}; allowed with "
-                               "transport 'nixl_ep': 'bf16'")
+                               "transport 'nixl_ep': " + " or ".join(repr(f.value) for f in ACTIVATION_FORMATS))
+    if config.activation_format is Format.FP8 and config.hidden_size % FP8_HIDDEN_MULTIPLE:
+        raise MoEEpConfigError(f"EpConfig.hidden_size = {config.hidden_size}; allowed with FP8 activations on "
+                               f"transport 'nixl_ep': a multiple of {FP8_HIDDEN_MULTIPLE}")
     if config.hidden_size not in LL_HIDDEN_SIZES:
         raise MoEEpConfigError(f"EpConfig.hidden_size = {config.hidden_size}; allowed with transport 'nixl_ep': "
                                + ", ".join(map(str, LL_HIDDEN_SIZES)))
@@ -102,11 +113,16 @@ class NixlEpTransport:
         self.out = torch.zeros(T, H, dtype=torch.bfloat16, device=self.device)
         self._idx = torch.zeros(T, config.top_k, dtype=self.nixl.topk_idx_t, device=self.device)
         self._w = torch.zeros(T, config.top_k, dtype=torch.float32, device=self.device)
+        self.fp8 = config.activation_format is Format.FP8
+        # FP8: the received scales, contiguous (the library's are column-major in their last two dims)
+        self._scales = torch.zeros(self.L, world_size * T, -(-H // FP8_BLOCK), dtype=torch.float32,
+                                   device=self.device) if self.fp8 else None
         self._last = None
 
     def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> LowLatencyExpertMajor:
-        """``tokens [L, R*T, H]`` bf16 and ``expert_counts [L]`` int32 (rows past a count are garbage)."""
+        """``tokens [L, R*T, H]`` bf16 (FP8 activations: an ``Fp8Tensor``, e4m3 + fp32 ``[L, R*T, H/128]``
+        contiguous scales) and ``expert_counts [L]`` int32 (rows past a count are garbage)."""
         # a rank with no tokens still takes part in the collective: it sends one row that picks no expert
         self._empty = hidden_states.dim() == 2 and hidden_states.shape[0] == 0
         if self._empty:
@@ -124,9 +140,12 @@ class NixlEpTransport:
             self._idx[:B].copy_(topk_idx)          # staged: nixl_ep_cu13.topk_idx_t (int32 in 1.5.1)
         w = topk_weights.contiguous() if topk_weights.dtype == torch.float32 else self._w[:B].copy_(topk_weights)
         recv_x, recv_count, handle, _event, _hook = self.buffer.low_latency_dispatch(
-            x.contiguous(), idx, c.max_tokens_per_rank, c.num_experts, use_fp8=False,
-            async_finish=False, return_recv_hook=False)
+            x.contiguous(), idx, c.max_tokens_per_rank, c.num_experts, use_fp8=self.fp8, round_scale=False,
+            use_ue8m0=False, async_finish=False, return_recv_hook=False)
         self._last = (B, idx, w, handle)
+        if self.fp8:
+            data, scales = recv_x
+            recv_x = Fp8Tensor(data, self._scales.copy_(scales))
         return LowLatencyExpertMajor(tokens=recv_x, expert_counts=recv_count)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:

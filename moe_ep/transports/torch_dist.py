@@ -19,6 +19,10 @@ NVFP4 activations: dispatch quantizes each token with its own global scale (or t
 ``quantize_nvfp4_tokens``, on the device) and ships packed codes + e4m3 scales + that scale; the received
 ``tokens`` are an ``NvFp4Tensor`` whose ``global_scale`` holds one value per row (shape ``tokens.shape[:-1]``).
 
+FP8 activations: dispatch quantizes each token once (``quantize_fp8``, one fp32 scale per 128 channels, on the
+device) and ships the e4m3 bytes + those scales (no bf16 round trip); the received ``tokens`` are an ``Fp8Tensor``
+(block_rows 1) with scales ``[..., ceil(H/128)]`` beside the rows. Combine stays bf16.
+
 Buffers are allocated once per transport (at their largest size) and reused; the tensors a dispatch
 returns are views of them, valid until the next dispatch.
 """
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from ..config import EpConfig, Format
 from ..errors import MoEEpConfigError
 from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
+from ..kernels.fp8 import FP8_BLOCK, Fp8Tensor, quantize_fp8
 from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
@@ -51,6 +56,8 @@ class TorchDistTransport:
         self.L = config.local_experts(self.world)
         self.device = torch.device(device) if device is not None else kernel_device()
         self.nvfp4 = config.activation_format is Format.NVFP4
+        self.fp8 = config.activation_format is Format.FP8
+        self.fp8_scales = -(-config.hidden_size // FP8_BLOCK)  # fp32 scales per row (FP8 activations)
         self.stage = False
         if self.world > 1:
             backend = dist.get_backend(group)
@@ -102,10 +109,13 @@ class TorchDistTransport:
         return out
 
     def _pack(self, x, q, rows: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Byte rows: token (bf16, or NVFP4 codes+scales+global scale), K int32 ids, K fp32 weights."""
+        """Byte rows: token (bf16, NVFP4 codes+scales+global scale, or FP8 e4m3+fp32 scales), K int32 ids, K fp32
+        weights."""
         parts = []
         if q is None:
             parts.append(x[rows].view(torch.uint8))
+        elif isinstance(q, Fp8Tensor):
+            parts += [q.data[rows].view(torch.uint8), q.scales[rows].view(torch.uint8)]
         else:
             gs = q.global_scale[rows].reshape(-1, 1)
             parts += [q.data[rows], q.scales[rows].view(torch.uint8), gs.view(torch.uint8)]
@@ -125,6 +135,9 @@ class TorchDistTransport:
             c["data"][:n] = take(H // 2, torch.uint8)
             c["scales"][:n] = take(H // 16, torch.uint8)
             c["gs"][:n] = take(4, torch.float32).reshape(-1)
+        elif self.fp8:
+            c["data"][:n] = take(H, torch.uint8)
+            c["scales"][:n] = take(4 * self.fp8_scales, torch.float32)
         else:
             c["tok"][:n] = take(2 * H, torch.bfloat16)
         c["ids"][:n] = take(4 * K, torch.int32).long()
@@ -138,6 +151,9 @@ class TorchDistTransport:
             c.update(data=self._buf("c_data", (M, H // 2), torch.uint8),
                      scales=self._buf("c_scales", (M, H // 16), torch.uint8),
                      gs=self._buf("c_gs", (M,), torch.float32))
+        elif self.fp8:  # e4m3 bytes as uint8 (what the gathers and the exchange move), fp32 scales
+            c.update(data=self._buf("c_data", (M, H), torch.uint8),
+                     scales=self._buf("c_scales", (M, self.fp8_scales), torch.float32))
         else:
             c["tok"] = self._buf("c_tok", (M, H), torch.bfloat16)
         return c
@@ -150,12 +166,16 @@ class TorchDistTransport:
         q = None
         if self.nvfp4:  # one global scale per token, on the device
             q = quantize_nvfp4_tokens(x, self.config.activation_global_scale)
+        elif self.fp8:  # once, before the exchange; non-finite tokens: the layer's validate refuses them
+            q = quantize_fp8(x, 1, check_finite=False)
         c = self._compact()
         R, L = self.world, self.L
         st = {"B": B, "topk_weights": topk_weights}
         if R == 1:  # no exchange, no sync: the compact rows are this rank's tokens
             if q is None:
                 c["tok"][:B] = x
+            elif self.fp8:
+                c["data"][:B], c["scales"][:B] = q.data.view(torch.uint8), q.scales
             else:
                 c["data"][:B], c["scales"][:B] = q.data, q.scales.view(torch.uint8)
                 c["gs"][:B] = q.global_scale
@@ -199,8 +219,12 @@ class TorchDistTransport:
             dist.all_to_all_single(out, counts, group=self.group)
 
     def _tokens(self, c, rows=None, shape=None):
-        """Compact tokens (bf16 or NvFp4Tensor with per-row global scale), optionally gathered/reshaped."""
+        """Compact tokens (bf16, NvFp4Tensor with per-row global scale, or per-row Fp8Tensor), optionally
+        reshaped."""
         H = self.config.hidden_size
+        if self.fp8:
+            data, shape = c["data"], shape or (c["data"].shape[0],)
+            return Fp8Tensor(data.view(torch.float8_e4m3fn).view(*shape, H), c["scales"].view(*shape, self.fp8_scales))
         if not self.nvfp4:
             return c["tok"] if shape is None else c["tok"].view(*shape, H)
         data, scales, gs = c["data"], c["scales"].view(torch.float8_e4m3fn), c["gs"]
@@ -236,6 +260,10 @@ class TorchDistTransport:
             pc = {"data": permute_rows(c["data"], route, out=self._buf("em_data", (S, H // 2), torch.uint8)),
                   "scales": permute_rows(c["scales"], route, out=self._buf("em_sc", (S, H // 16), torch.uint8)),
                   "gs": c["gs"][route.row_of_slot.long().clamp(min=0)]}
+        elif self.fp8:
+            pc = {"data": permute_rows(c["data"], route, out=self._buf("em_data", (S, H), torch.uint8)),
+                  "scales": permute_rows(c["scales"], route,
+                                         out=self._buf("em_sc", (S, self.fp8_scales), torch.float32))}
         else:
             pc = {"tok": permute_rows(c["tok"], route, out=self._buf("em_tok", (S, H), torch.bfloat16))}
         return HighThroughputExpertMajor(self._tokens(pc), expert_offsets=route.offsets[:-1].long(),
@@ -263,6 +291,9 @@ class TorchDistTransport:
             em = {"data": scatter("ll_data", c["data"], H // 2, torch.uint8),
                   "scales": scatter("ll_sc", c["scales"], H // 16, torch.uint8),
                   "gs": scatter("ll_gs", c["gs"][:, None], 1, torch.float32).reshape(-1)}
+        elif self.fp8:
+            em = {"data": scatter("ll_data", c["data"], H, torch.uint8),
+                  "scales": scatter("ll_sc", c["scales"], self.fp8_scales, torch.float32)}
         else:
             em = {"tok": scatter("ll_tok", c["tok"], H, torch.bfloat16)}
         return LowLatencyExpertMajor(self._tokens(em, shape=(L, M)), expert_counts=route.counts)
