@@ -458,7 +458,7 @@ def test_bench_layer_rows_take_the_formats(monkeypatch):
 
     monkeypatch.setattr("moe_ep.layer.MoEEpLayer", layer)
     monkeypatch.setattr("moe_ep.weights.ExpertWeights", lambda w13, w2, fmt="bf16", **k: fmt)
-    args.seed, args.kernel_list = 0, ["layer"]
+    args.seed, args.kernel_list, args.peak_flops, args.peak_flops_fp8 = 0, ["layer"], 795e12, 1979e12
     b = bench.Bench.__new__(bench.Bench)
     b.p, b.world, b.args, b.dev = get_preset("small"), 1, args, torch.device("cpu")
     b.w13, b.w2, b.gen = torch.zeros(8, 1024, 256), torch.zeros(8, 256, 512), torch.Generator().manual_seed(0)
