@@ -393,7 +393,7 @@ def test_fp8_tokens_are_consumed_as_they_are(dev):
                                       ("ht", "expert_major")])
 def test_layer_with_fp8_weights(dev, alg, lay):
     """The world-1 layer with FP8 weights and bf16 activations (quantized after dispatch) in every layout, against
-    the dense MoE; HT FLAT gives fused_moe's bits."""
+    the dense MoE; HT FLAT gives fused_moe's bits; FP8 activations (quantized before dispatch) give the same bits."""
     weights, x, idx, wts = _moe(dev)
     cfg = EpConfig(4, 2, 160, 144, 6, alg, lay, weight_format="fp8")
     out = MoEEpLayer(cfg, weights)(x.to(dev), idx.to(dev), wts.to(dev))
@@ -402,3 +402,7 @@ def test_layer_with_fp8_weights(dev, alg, lay):
                      FP8_DENSE_TOL, f"layer {alg} {lay} FP8")
     if (alg, lay) == ("ht", "flat"):
         assert torch.equal(out, fused_moe(x.to(dev), idx.to(dev), wts.to(dev), weights))
+    # FP8 activations: the portable transport quantizes each token before dispatch, the compute takes the codes as
+    # they arrive; quantizing is per token, so the bits are those of quantizing after dispatch
+    cfg8 = EpConfig(4, 2, 160, 144, 6, alg, lay, weight_format="fp8", activation_format="fp8")
+    assert torch.equal(MoEEpLayer(cfg8, weights)(x.to(dev), idx.to(dev), wts.to(dev)), out)
