@@ -157,3 +157,17 @@ def time_read(*tensors: torch.Tensor, rep_ms: float = 100.0) -> float:
     ``tensors`` (:func:`read_once`), graph-timed."""
     return min(time_graph(lambda b=b, w=w: read_once(*tensors, block=b, warps=w), rep_ms=rep_ms)
                for b, w in _READ_TILINGS)
+
+
+def time_host(fn, *, iters: int = 100, repeats: int = 5) -> float:
+    """Host seconds per call of ``fn`` on any machine: the best of ``repeats`` means over ``iters`` back-to-back
+    calls, no sync (what enqueueing costs; on a CPU-only machine with no-op kernel launches, the Python host path
+    of a forward alone)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
