@@ -1,6 +1,7 @@
 """The eager forward's host path without the kernels: the layer at world size 1 with every kernel launch replaced
 by a no-op (``launch_cache.launch``), ``validate=False``. Per layout (and ``fused_moe``): the Python function calls
-per forward (cProfile's count, builtins included), the host microseconds per forward (best of a few loops), the
+per forward (as cProfile counts them, builtins included), the host microseconds per forward (this thread's CPU time,
+best of a few loops), the
 aten ops outside the kernels, the kernel launches and the call depth from the entry point to each launch.
 
 It runs anywhere (CPU included; no kernel runs, so the outputs are garbage and never read) and is the proxy for
@@ -44,7 +45,7 @@ class _Launches:
         self.depths, self.own_s, self.counter = [], 0.0, counter
 
     def __call__(self, kernel, grid, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         if self.counter is not None:
             self.counter.paused = True
         f, depth = sys._getframe(1), 1
@@ -56,7 +57,7 @@ class _Launches:
                 a.fill_(-1)
         if self.counter is not None:
             self.counter.paused = False
-        self.own_s += time.perf_counter() - t0
+        self.own_s += time.thread_time() - t0
         return None  # "not autotuned": callers then keep their plan as it is
 
 
@@ -126,11 +127,10 @@ def measure(case, args) -> dict:
                 pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
                 pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
         launches.own_s = 0.0
-        host = time_host(fwd, iters=args.iters, repeats=1)  # warm
         best = float("inf")
         for _ in range(args.repeats):  # the stand-in's own time taken out of each loop's
             launches.own_s = 0.0
-            t = time_host(fwd, iters=args.iters, repeats=1)
+            t = time_host(fwd, iters=args.iters, repeats=1, clock=time.thread_time)
             best = min(best, t - launches.own_s / (args.iters + 1))
         host = best
     finally:
