@@ -20,7 +20,7 @@ import torch
 from .config import EpConfig, Format
 from .errors import fail
 from .kernels import expert_mlp
-from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
+from .kernels.bridge import _permute, _route, _unpermute
 from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from .layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                               LowLatencyRankMajor)
@@ -69,10 +69,12 @@ def bridged_mlp(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w: Expert
     ``route_experts``)."""
     K = topk_idx.shape[-1]
     M = topk_idx.numel() // K
-    route = route_experts(topk_idx.reshape(M, K), w.num_local_experts, valid_rows=valid_rows,
-                          rows_per_group=rows_per_group)
-    y = expert_mlp(permute_rows(x, route), w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
-    return unpermute_reduce(y, route, topk_weights.reshape(M, K))
+    # the bridge's unchecked entries: the layout contract (or fused_moe's routing checks) checked these tensors
+    valid = valid_rows.contiguous() if valid_rows is not None else None
+    route = _route(topk_idx.reshape(M, K).contiguous(), w.num_local_experts, valid, rows_per_group or 1)
+    y = expert_mlp(_permute(x, route), w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
+    out = torch.empty(M, y.shape[-1], dtype=torch.bfloat16, device=y.device)
+    return _unpermute(y, route.slot, topk_weights.reshape(M, K).contiguous(), out)
 
 
 def ll_rank_major(d: LowLatencyRankMajor, w: ExpertWeights, config: EpConfig,

@@ -296,12 +296,13 @@ def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, 
 
 
 def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warps: int | None = None, *,
-                  pad_rows: int = 0, weights: torch.Tensor | None = None) -> None:
+                  pad_rows: int = 0, weights: torch.Tensor | None = None, scratch: dict | None = None) -> None:
     """The route kernels for contiguous ``idx [M, K]`` into ``out``'s buffers: one launch up to
     ``_ROUTE_ONE_LAUNCH`` ids, else histogram / scan / place over chunks. ``warps``: the launch width (default:
     the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it). ``pad_rows`` > 0: padded expert-major
     slots (:func:`route_padded`; ``out.row_of_slot`` is not written); ``weights``: contiguous ``[M, K]``, written
-    per slot into ``out.slot_weight``. No checks: the caller's."""
+    per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]`` work
+    buffers in between calls (a caller that routes the same shape again). No checks: the caller's."""
     M, K = idx.shape
     N, dev, has_valid = M * K, idx.device, valid_rows is not None
     chunk = max(16, host_math.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
@@ -320,8 +321,13 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
         launch_cache.launch(_route_place_kernel, (1,), *args, counts, counts, counts, offsets, slot, row_of_slot, *rest,
                             *place, ONE_CHUNK=True, **flags)
     else:
-        hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
-        first = torch.empty(C, LP, dtype=torch.int32, device=dev)
+        if scratch is not None and "hist" in scratch:
+            hist, first = scratch["hist"], scratch["first"]
+        else:
+            hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
+            first = torch.empty(C, LP, dtype=torch.int32, device=dev)
+            if scratch is not None:
+                scratch.update(hist=hist, first=first)
         launch_cache.launch(_route_hist_kernel, (C,), *args, hist, *rest, HAS_VALID=has_valid, CHUNK=chunk, LP=LP,
                             num_warps=warps)
         launch_cache.launch(_route_scan_kernel, (1,), hist, first, counts, offsets, C, L, LP=LP, num_warps=4)
@@ -365,7 +371,7 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
     ``[M*K, H]`` tensor of x's dtype and device to write into (plain gathers only).
     """
     _check_route(route, "offsets", "slot", "row_of_slot")
-    M, N = route.slot.shape[0], route.row_of_slot.shape[0]
+    M = route.slot.shape[0]
     if not isinstance(quantize, bool):
         fail("quantize", quantize, "True or False")
     if isinstance(x, NvFp4Tensor):
@@ -376,10 +382,7 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
             fail("quantize / out / nvfp4_global_scale", (quantize, type(out).__name__, type(nvfp4_global_scale).__name__),
                  "False / None / None with an NvFp4Tensor x (it is gathered as it is)")
         _check_rows(x.shape[0], M, x.data, route)
-        gs = x.global_scale.reshape(-1)
-        gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
-        return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype),
-                           gs, torch.Size((N, x.shape[1])))
+        return _permute(x, route)
     if not isinstance(x, torch.Tensor):
         fail("type(x)", type(x).__name__, "a torch.Tensor [M, H] or an NvFp4Tensor")
     if x.dim() != 2:
@@ -396,6 +399,17 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
     if nvfp4_global_scale is not None:
         fail("nvfp4_global_scale", type(nvfp4_global_scale).__name__, "None unless quantize=True")
     return _gather(x, route, out)
+
+
+def _permute(x, route: Route):
+    """:func:`permute_rows` (no quantize, no ``out``) on checked arguments: a tensor, or an NvFp4Tensor's packed rows,
+    scales and global scales (one, or one per row) gathered as they are."""
+    if not isinstance(x, NvFp4Tensor):
+        return _gather(x, route)
+    gs = x.global_scale.reshape(-1)
+    gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
+    return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype), gs,
+                       torch.Size((route.row_of_slot.shape[0], x.shape[1])))
 
 
 def _check_rows(m: int, route_m: int, t: torch.Tensor, route: Route) -> None:

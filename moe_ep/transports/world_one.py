@@ -6,8 +6,9 @@ bounds them):
 
 * LL EXPERT_MAJOR: one route launch gives each pick its padded row ``e * T + j`` (``route_experts(padded_rows=T)``),
   one scatter launch writes the token rows there; combine is one weighted unpermute-reduce over those rows.
-* LL RANK_MAJOR: the tokens, ids (int32) and weights (fp32) copied into ``[1, T, ...]`` buffers (the contract's
-  T is ``max_tokens_per_rank``); combine is a view of the compute's rows.
+* LL RANK_MAJOR: the tokens, ids (int32) and weights (fp32) as ``[1, T, ...]`` (the contract's T is
+  ``max_tokens_per_rank``): the caller's tensors when the batch is T tokens, else copied into buffers; combine is a
+  view of the compute's rows.
 * HT FLAT: the caller's tensors as they are (S = B received rows; int32 ids widened, weights made fp32).
 * HT EXPERT_MAJOR: one route (its counts and offsets written as int64, each slot's weight written by the same
   launch) and one gather; combine is one unpermute-reduce.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..config import EpConfig
-from ..kernels.bridge import _gather, _route, _scatter, _unpermute
+from ..kernels.bridge import Route, _gather, _launch_route, _scatter, _unpermute
 from ..kernels.nvfp4 import NvFp4Tensor
 from ..layout_contract import (HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
@@ -65,10 +66,30 @@ class WorldOneLayouts:
             t = self._bufs[key] = torch.full(shape, n, dtype=dtype, device=self.device)
         return t
 
+    def _route(self, idx, pad_rows: int = 0, weights=None, index_dtype=torch.int32) -> Route:
+        """The route of ``idx [B, K]`` into buffers kept per batch size (this layout routes every B the same way)."""
+        B = idx.shape[0]
+        key = ("route", B)
+        kept = self._bufs.get(key)
+        if kept is None:
+            L, K, dev = self.L, self.K, self.device
+            sw = None if weights is None else torch.empty(L * pad_rows if pad_rows else B * K, dtype=torch.float32,
+                                                          device=dev)
+            route = Route._made(torch.zeros(L, dtype=index_dtype, device=dev),  # zeros: B = 0 launches nothing
+                                torch.zeros(L + 1, dtype=index_dtype, device=dev),
+                                torch.empty(B, K, dtype=torch.int32, device=dev),
+                                None if pad_rows else torch.empty(B * K, dtype=torch.int32, device=dev), sw)
+            kept = self._bufs[key] = (route, {})
+        route, scratch = kept
+        if B:
+            _launch_route(idx.contiguous(), None, 1, self.L, route, pad_rows=pad_rows,
+                          weights=None if weights is None else weights.contiguous(), scratch=scratch)
+        return route
+
     # ---- dispatch ------------------------------------------------------------------------------------------
     def _ll_expert_major(self, x, q, idx, w) -> LowLatencyExpertMajor:
         L, T, H = self.L, self.T, self.H
-        route = _route(idx.contiguous(), L, pad_rows=T)
+        route = self._route(idx, pad_rows=T)
         slot = route.slot
         if q is None:
             tok = self._buf("tok", (L * T, H), torch.bfloat16)
@@ -85,24 +106,29 @@ class WorldOneLayouts:
         self._state = (slot, w.contiguous())
         return LowLatencyExpertMajor(tokens, expert_counts=route.counts)
 
+    def _rows(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t [B, ...]`` as the first B of the contract's T rows, in ``dtype``: ``t`` itself when B = T (converted
+        if it must be), else copied into a buffer whose rows past B are garbage."""
+        if t.shape[0] == self.T:
+            return t if t.dtype is dtype else t.to(dtype)
+        buf = self._buf(name, (self.T, *t.shape[1:]), dtype)
+        buf[:t.shape[0]] = t
+        return buf
+
     def _ll_rank_major(self, x, q, idx, w) -> LowLatencyRankMajor:
-        T, K, H, B = self.T, self.K, self.H, x.shape[0]
-        ids = self._buf("ids", (T, K), torch.int32)
-        ids[:B] = idx if idx.dtype is torch.int32 else idx.clamp(-1, self.config.num_experts)  # never narrowed onto
-        wts = self._buf("w", (T, K), torch.float32)                                            # another expert
-        wts[:B] = w
+        B, T, H = x.shape[0], self.T, self.H
+        if idx.dtype is not torch.int32:  # never narrowed onto another expert
+            idx = idx.clamp(-1, self.config.num_experts)
+        ids, wts = self._rows("ids", idx, torch.int32), self._rows("w", w, torch.float32)
         if q is None:
-            tok = self._buf("tok", (T, H), torch.bfloat16)
-            tok[:B] = x
-            tokens = tok.view(1, T, H)
+            tokens = self._rows("tok", x, torch.bfloat16).unsqueeze(0)
         else:
-            data, scales = self._buf("data", (T, H // 2), torch.uint8), self._buf("sc", (T, H // 16), torch.uint8)
-            gs = self._buf("gs", (T,), torch.float32)
-            data[:B], scales[:B], gs[:B] = q.data, q.scales.view(torch.uint8), q.global_scale
-            tokens = NvFp4Tensor(data.view(1, T, H // 2), scales.view(torch.float8_e4m3fn).view(1, T, H // 16),
-                                 gs.view(1, T), torch.Size((1, T, H)))
+            data, scales = self._rows("data", q.data, torch.uint8), self._rows("sc", q.scales.view(torch.uint8),
+                                                                               torch.uint8)
+            tokens = NvFp4Tensor(data.unsqueeze(0), scales.view(torch.float8_e4m3fn).unsqueeze(0),
+                                 self._rows("gs", q.global_scale, torch.float32).unsqueeze(0), torch.Size((1, T, H)))
         self._state = B
-        return LowLatencyRankMajor(tokens, topk_idx=ids.view(1, T, K), topk_weights=wts.view(1, T, K),
+        return LowLatencyRankMajor(tokens, topk_idx=ids.unsqueeze(0), topk_weights=wts.unsqueeze(0),
                                    src_rank_counts=self._count(B, torch.int32, (1,)))
 
     def _ht_flat(self, x, q, idx, w) -> HighThroughputFlat:
@@ -113,7 +139,7 @@ class WorldOneLayouts:
 
     def _ht_expert_major(self, x, q, idx, w) -> HighThroughputExpertMajor:
         L = self.L
-        route = _route(idx.contiguous(), L, weights=w.contiguous(), index_dtype=torch.int64)
+        route = self._route(idx, weights=w, index_dtype=torch.int64)
         if q is None:
             tokens = _gather(x, route)
         else:
@@ -130,10 +156,11 @@ class WorldOneLayouts:
         """LL EXPERT_MAJOR: each token's picks summed back with their routing weights, in fp32."""
         slot, w = self._state
         out = torch.empty(slot.shape[0], self.H, dtype=torch.bfloat16, device=self.device)
-        return _unpermute(expert_out.view(-1, self.H), slot, w, out)
+        return _unpermute(expert_out.reshape(-1, self.H), slot, w, out)
 
     def _combine_rank_major(self, expert_out: torch.Tensor) -> torch.Tensor:
-        return expert_out.view(self.T, self.H)[:self._state]
+        rows = expert_out.reshape(self.T, self.H)
+        return rows if self._state == self.T else rows[:self._state]
 
     def _combine_flat(self, expert_out: torch.Tensor) -> torch.Tensor:
         return expert_out
@@ -142,7 +169,7 @@ class WorldOneLayouts:
         """HT EXPERT_MAJOR: a token's slots (already weighted) summed back into its row, in fp32."""
         slot = self._state
         out = torch.empty(slot.shape[0], self.H, dtype=torch.bfloat16, device=self.device)
-        return _unpermute(expert_out.view(-1, self.H), slot, None, out)
+        return _unpermute(expert_out.reshape(-1, self.H), slot, None, out)
 
     def close(self) -> None:
         self._bufs.clear()
