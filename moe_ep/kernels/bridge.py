@@ -7,7 +7,8 @@ Given ``topk_idx [M, K]`` of *local* expert ids (-1, or any id outside ``[0, L)`
   by atomics: the flattened ids are cut into chunks; each chunk's histogram, an exclusive scan over experts
   then chunks gives every (chunk, expert) its first slot, and a chunk sorts its (expert, position) keys so
   the j-th pick of expert e in the chunk lands at that first slot + j. One launch when the ids fit one
-  chunk (up to 4096 ids: decode), three otherwise (histograms, scan, placement), each parallel over chunks.
+  chunk (up to 4096 ids: decode), two otherwise (histograms, then placement, each placing program scanning the
+  chunks' histograms itself), each parallel over chunks.
 * :func:`permute_rows` — gather rows into the expert-sorted buffer ``[M*K, H]`` (or quantize them to NVFP4
   on the way, through ``gather_quantize_nvfp4``).
 * :func:`unpermute_reduce` — ``out[row] = sum_k w[row, k] * y[slot(row, k)]`` in fp32; rows without a
@@ -150,24 +151,7 @@ def _store_totals(hist, counts_ptr, offsets_ptr, L, LP: tl.constexpr):
 
 
 @triton.jit
-def _route_scan_kernel(hist_ptr, first_ptr, counts_ptr, offsets_ptr, C, L, LP: tl.constexpr):
-    # one program: expert totals, offsets, and the first slot of every (chunk, expert)
-    b = tl.arange(0, LP)
-    tot = tl.zeros([LP], tl.int32)
-    c = 0
-    while c < C:  # (while: the interpreter cannot take a runtime-bounded range)
-        tot += tl.load(hist_ptr + c * LP + b)
-        c += 1
-    run = _store_totals(tot, counts_ptr, offsets_ptr, L, LP)
-    c = 0
-    while c < C:
-        tl.store(first_ptr + c * LP + b, run)
-        run += tl.where(b < L, tl.load(hist_ptr + c * LP + b), 0)
-        c += 1
-
-
-@triton.jit
-def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, first_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr,
+def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr, C,
                         N, K, ROWS_PER_GROUP, L, PAD_ROWS, w_ptr, slot_w_ptr, HAS_VALID: tl.constexpr,
                         ONE_CHUNK: tl.constexpr, PADDED: tl.constexpr, SLOT_W: tl.constexpr, CHUNK: tl.constexpr,
                         LP: tl.constexpr):
@@ -176,14 +160,25 @@ def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, first_ptr, counts_ptr, off
     b = tl.arange(0, LP)
     if ONE_CHUNK:  # histogram and scan in this program: one launch for decode-sized routes
         hist = tl.histogram(e, LP)
-        first = _store_totals(hist, counts_ptr, offsets_ptr, L, LP)
+        offs = _store_totals(hist, counts_ptr, offsets_ptr, L, LP)
+        first = offs
         total = tl.sum(tl.where(b < L, hist, 0), 0)
-        offs = first
-    else:
+    else:  # every program scans the C chunks' histograms itself (C is small), so no scan launch sits in between
         hist = tl.load(hist_ptr + c * LP + b)
-        first = tl.load(first_ptr + c * LP + b)
-        total = tl.load(offsets_ptr + L)
-        offs = tl.load(offsets_ptr + b, mask=b <= L, other=0)
+        tot = tl.zeros([LP], tl.int32)
+        before = tl.zeros([LP], tl.int32)  # each expert's picks in the chunks before this one
+        c2 = 0
+        while c2 < C:  # (while: the interpreter cannot take a runtime-bounded range)
+            h = tl.load(hist_ptr + c2 * LP + b)
+            tot += h
+            before += tl.where(c2 < c, h, 0)
+            c2 += 1
+        tot = tl.where(b < L, tot, 0)
+        offs = tl.cumsum(tot, 0) - tot  # at b = L: the number of valid picks
+        if c == 0:
+            _store_totals(tot, counts_ptr, offsets_ptr, L, LP)
+        first = offs + tl.where(b < L, before, 0)
+        total = tl.sum(tot, 0)
     # sorting (bin, position) keys groups the chunk's picks by expert in ascending position: the j-th key
     # sorted is pick number j - start[bin] of its expert in this chunk, whose slot is first[bin] + that
     start = tl.cumsum(hist, 0) - hist
@@ -298,11 +293,11 @@ def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, 
 def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warps: int | None = None, *,
                   pad_rows: int = 0, weights: torch.Tensor | None = None, scratch: dict | None = None) -> None:
     """The route kernels for contiguous ``idx [M, K]`` into ``out``'s buffers: one launch up to
-    ``_ROUTE_ONE_LAUNCH`` ids, else histogram / scan / place over chunks. ``warps``: the launch width (default:
-    the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it). ``pad_rows`` > 0: padded expert-major
-    slots (:func:`route_padded`; ``out.row_of_slot`` is not written); ``weights``: contiguous ``[M, K]``, written
-    per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]`` work
-    buffers in between calls (a caller that routes the same shape again). No checks: the caller's."""
+    ``_ROUTE_ONE_LAUNCH`` ids, else histogram then place over chunks (each placing program scans the histograms).
+    ``warps``: the launch width (default: the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it).
+    ``pad_rows`` > 0: padded expert-major slots (``route_experts(padded_rows=)``; ``out.row_of_slot`` is not written); ``weights``: contiguous ``[M, K]``, written
+    per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]``
+    histograms in between calls (a caller that routes the same shape again). No checks: the caller's."""
     M, K = idx.shape
     N, dev, has_valid = M * K, idx.device, valid_rows is not None
     chunk = max(16, host_math.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
@@ -318,20 +313,17 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
     flags = dict(HAS_VALID=has_valid, PADDED=pad_rows > 0, SLOT_W=weights is not None, CHUNK=chunk, LP=LP,
                  num_warps=warps)
     if C == 1:
-        launch_cache.launch(_route_place_kernel, (1,), *args, counts, counts, counts, offsets, slot, row_of_slot, *rest,
+        launch_cache.launch(_route_place_kernel, (1,), *args, counts, counts, offsets, slot, row_of_slot, 1, *rest,
                             *place, ONE_CHUNK=True, **flags)
     else:
-        if scratch is not None and "hist" in scratch:
-            hist, first = scratch["hist"], scratch["first"]
-        else:
+        hist = scratch.get("hist") if scratch is not None else None
+        if hist is None:
             hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
-            first = torch.empty(C, LP, dtype=torch.int32, device=dev)
             if scratch is not None:
-                scratch.update(hist=hist, first=first)
+                scratch["hist"] = hist
         launch_cache.launch(_route_hist_kernel, (C,), *args, hist, *rest, HAS_VALID=has_valid, CHUNK=chunk, LP=LP,
                             num_warps=warps)
-        launch_cache.launch(_route_scan_kernel, (1,), hist, first, counts, offsets, C, L, LP=LP, num_warps=4)
-        launch_cache.launch(_route_place_kernel, (C,), *args, hist, first, counts, offsets, slot, row_of_slot, *rest,
+        launch_cache.launch(_route_place_kernel, (C,), *args, hist, counts, offsets, slot, row_of_slot, C, *rest,
                             *place, ONE_CHUNK=False, **flags)
 
 

@@ -53,12 +53,11 @@ def bridge():
     ids = {"idx_ptr": "*i64", "valid_ptr": "*i32"}
     shape = {"N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32", "HAS_VALID": "constexpr"}
     hist = {**ids, "hist_ptr": "*i32", **shape, "CHUNK": "constexpr", "LP": "constexpr"}
-    scan = {"hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "C": "i32",
-            "L": "i32", "LP": "constexpr"}
-    place = {**ids, "hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
-             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", **shape, "PAD_ROWS": "i32", "w_ptr": "*fp32",
-             "slot_w_ptr": "*fp32", "ONE_CHUNK": "constexpr", "PADDED": "constexpr", "SLOT_W": "constexpr",
-             "CHUNK": "constexpr", "LP": "constexpr"}
+    place = {**ids, "hist_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "slot_ptr": "*i32",
+             "row_of_slot_ptr": "*i32", "C": "i32", "N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32",
+             "PAD_ROWS": "i32", "w_ptr": "*fp32", "slot_w_ptr": "*fp32", "HAS_VALID": "constexpr",
+             "ONE_CHUNK": "constexpr", "PADDED": "constexpr", "SLOT_W": "constexpr", "CHUNK": "constexpr",
+             "LP": "constexpr"}
     gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "M_X": "i32",
               "H": "i32", "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
@@ -66,8 +65,8 @@ def bridge():
            "BLOCK_H": "constexpr"}
     big = {"CHUNK": _bridge._ROUTE_CHUNK, "LP": 64}
     checks = [(_bridge._route_hist_kernel, hist, {"HAS_VALID": True, **big}),
-              (_bridge._route_scan_kernel, scan, {"LP": 64}),
               (_bridge._route_hist_kernel, dict(hist, idx_ptr="*i32", valid_ptr="*i64"), {"HAS_VALID": True, **big})]
+
     def chunk(one):
         return _bridge._ROUTE_ONE_LAUNCH if one else _bridge._ROUTE_CHUNK
     checks += [(_bridge._route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, "PADDED": False,
