@@ -51,36 +51,36 @@ class WorldOneLayouts:
         self.combine = {LowLatencyExpertMajor: self._combine_weighted, LowLatencyRankMajor: self._combine_rank_major,
                         HighThroughputFlat: self._combine_flat, HighThroughputExpertMajor: self._combine_slots}[kind]
 
+    def _kept(self, key, make):
+        """``make()``, made once per ``key`` and kept; not kept when made inside a CUDA-graph capture (its values
+        would then exist only in the graph's replays, and an eager forward would read garbage)."""
+        t = self._bufs.get(key)
+        if t is None:
+            t = make()
+            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._bufs[key] = t
+        return t
+
     def _buf(self, name, shape, dtype) -> torch.Tensor:
-        """A persistent buffer, allocated once (zeroed, so garbage rows stay finite)."""
-        b = self._bufs.get(name)
-        if b is None:
-            b = self._bufs[name] = torch.zeros(shape, dtype=dtype, device=self.device)
-        return b
+        """A persistent buffer (zeroed, so garbage rows stay finite)."""
+        return self._kept(name, lambda: torch.zeros(shape, dtype=dtype, device=self.device))
 
     def _count(self, n: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         """A device tensor holding ``n`` (a count the host knows: the batch), made once per value."""
-        key = ("count", n, dtype, shape)
-        t = self._bufs.get(key)
-        if t is None:
-            t = self._bufs[key] = torch.full(shape, n, dtype=dtype, device=self.device)
-        return t
+        return self._kept(("count", n, dtype, shape), lambda: torch.full(shape, n, dtype=dtype, device=self.device))
 
     def _route(self, idx, pad_rows: int = 0, weights=None, index_dtype=torch.int32) -> Route:
         """The route of ``idx [B, K]`` into buffers kept per batch size (this layout routes every B the same way)."""
-        B = idx.shape[0]
-        key = ("route", B)
-        kept = self._bufs.get(key)
-        if kept is None:
-            L, K, dev = self.L, self.K, self.device
+        B, L, K, dev = idx.shape[0], self.L, self.K, self.device
+
+        def make():
             sw = None if weights is None else torch.empty(L * pad_rows if pad_rows else B * K, dtype=torch.float32,
                                                           device=dev)
-            route = Route._made(torch.zeros(L, dtype=index_dtype, device=dev),  # zeros: B = 0 launches nothing
+            return (Route._made(torch.zeros(L, dtype=index_dtype, device=dev),  # zeros: B = 0 launches nothing
                                 torch.zeros(L + 1, dtype=index_dtype, device=dev),
                                 torch.empty(B, K, dtype=torch.int32, device=dev),
-                                None if pad_rows else torch.empty(B * K, dtype=torch.int32, device=dev), sw)
-            kept = self._bufs[key] = (route, {})
-        route, scratch = kept
+                                None if pad_rows else torch.empty(B * K, dtype=torch.int32, device=dev), sw), {})
+        route, scratch = self._kept(("route", B), make)
         if B:
             _launch_route(idx.contiguous(), None, 1, self.L, route, pad_rows=pad_rows,
                           weights=None if weights is None else weights.contiguous(), scratch=scratch)
