@@ -266,7 +266,9 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint) -> _Call:
 
 
 def _check_m_hint(m_hint) -> None:
-    if m_hint is not None and (not isinstance(m_hint, numbers.Integral) or isinstance(m_hint, bool) or m_hint < 1):
+    if m_hint is None or (type(m_hint) is int and m_hint >= 1):  # the common case without the ABC check
+        return
+    if not isinstance(m_hint, numbers.Integral) or isinstance(m_hint, bool) or m_hint < 1:
         fail("m_hint", m_hint, "None or a positive int (expected tokens per expert)")
 
 
