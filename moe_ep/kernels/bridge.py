@@ -8,17 +8,21 @@ Given ``topk_idx [M, K]`` of *local* expert ids (-1, or any id outside ``[0, L)`
   then chunks gives every (chunk, expert) its first slot, and a chunk sorts its (expert, position) keys so
   the j-th pick of expert e in the chunk lands at that first slot + j. One launch when the ids fit one
   chunk (up to 4096 ids: decode), two otherwise (histograms, then placement, each placing program scanning the
-  chunks' histograms itself), each parallel over chunks.
+  chunks' histograms itself), each parallel over chunks. With ``padded_rows`` the slots are expert-major padded
+  ones instead (LL EXPERT_MAJOR's ``e * rows + j``); with ``weights`` each slot's routing weight is written too.
 * :func:`permute_rows` — gather rows into the expert-sorted buffer ``[M*K, H]`` (or quantize them to NVFP4
   on the way, through ``gather_quantize_nvfp4``).
+* :func:`scatter_rows` — the other direction for padded slots: each pick's row written to its slot.
 * :func:`unpermute_reduce` — ``out[row] = sum_k w[row, k] * y[slot(row, k)]`` in fp32; rows without a
   local pick get zeros.
 
 Everything stays on the device: buffers are sized to the static bound ``M*K`` and the number of valid
 slots is ``offsets[L]``, a device scalar. Rows past the valid slots are left untouched (garbage).
 
-Every launcher checks that its arguments agree (shapes, dtypes, devices; no host sync) and raises
-:class:`MoEEpInputError` naming the argument otherwise. What only the device knows has a defined result instead:
+Every public launcher checks that its arguments agree (shapes, dtypes, devices; no host sync) and raises
+:class:`MoEEpInputError` naming the argument otherwise; the ``_``-prefixed entries (``_route``, ``_permute``,
+``_scatter``, ``_unpermute``) launch the same kernels without the checks, for this package's callers whose tensors
+were checked already (the layout contract, the routing checks). What only the device knows has a defined result instead:
 int64 ids of 2^31 and more are "not here" (compared in int64, never narrowed onto another expert), and a slot
 past the end of ``y`` in :func:`unpermute_reduce` makes its row NaN (never read out of bounds).
 """
