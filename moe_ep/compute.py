@@ -25,7 +25,7 @@ import torch
 from .config import EpConfig, Format
 from .errors import fail
 from .kernels import expert_mlp
-from .kernels.bridge import permute_rows, route_experts, unpermute_reduce
+from .kernels.bridge import _permute, _route, _unpermute
 from .kernels.fp8 import FP8_BLOCK, Fp8Tensor, quantize_fp8
 from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from .layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
@@ -71,13 +71,6 @@ def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, config: EpConfig
     return expert_mlp(_tokens(d.tokens, config, w), w.w13, w.w2, counts=d.expert_counts, m_hint=tokens_per_expert)
 
 
-def _bridged(tokens, topk_idx: torch.Tensor, topk_weights: torch.Tensor, valid_rows: torch.Tensor,
-             rows_per_group: int, w: ExpertWeights, config: EpConfig, tokens_per_expert: int | None) -> torch.Tensor:
-    M = topk_idx.numel() // topk_idx.shape[-1]
-    x = _tokens(_flat(tokens, M, tokens.shape[-1]), config, w)
-    return bridged_mlp(x, topk_idx, topk_weights, w, valid_rows, rows_per_group, tokens_per_expert)
-
-
 def bridged_mlp(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w: ExpertWeights, valid_rows=None,
                 rows_per_group: int | None = None, tokens_per_expert: int | None = None) -> torch.Tensor:
     """Route the ``[M, K]`` picks (local ids; others skipped), permute ``x``'s ``M`` rows (bf16, NVFP4 or FP8), ragged
@@ -85,25 +78,30 @@ def bridged_mlp(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w: Expert
     ``route_experts``)."""
     K = topk_idx.shape[-1]
     M = topk_idx.numel() // K
-    route = route_experts(topk_idx.reshape(M, K), w.num_local_experts, valid_rows=valid_rows,
-                          rows_per_group=rows_per_group)
-    y = expert_mlp(permute_rows(x, route), w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
-    return unpermute_reduce(y, route, topk_weights.reshape(M, K))
+    if topk_idx.dim() != 2:
+        topk_idx, topk_weights = topk_idx.reshape(M, K), topk_weights.reshape(M, K)
+    # the bridge's unchecked entries: the layout contract (or fused_moe's routing checks) checked these tensors
+    valid = valid_rows.contiguous() if valid_rows is not None else None
+    route = _route(topk_idx.contiguous(), w.num_local_experts, valid, rows_per_group or 1)
+    y = expert_mlp(_permute(x, route), w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
+    out = torch.empty(M, y.shape[-1], dtype=torch.bfloat16, device=y.device)
+    return _unpermute(y, route.slot, topk_weights.contiguous(), out)
 
 
 def ll_rank_major(d: LowLatencyRankMajor, w: ExpertWeights, config: EpConfig,
                   tokens_per_expert: int | None) -> torch.Tensor:
     """``[R, T, H]`` + local ``topk_idx [R, T, K]`` -> ``[R, T, H]`` (weighted sum over local picks)."""
     R, T = d.topk_idx.shape[0], d.topk_idx.shape[1]
-    out = _bridged(d.tokens, d.topk_idx, d.topk_weights, d.src_rank_counts, T, w, config, tokens_per_expert)
+    x = _tokens(_flat(d.tokens, R * T, d.tokens.shape[-1]), config, w)
+    out = bridged_mlp(x, d.topk_idx, d.topk_weights, w, d.src_rank_counts, T, tokens_per_expert)
     return out.reshape(R, T, -1)
 
 
 def ht_flat(d: HighThroughputFlat, w: ExpertWeights, config: EpConfig, tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` + local ``topk_idx [S, K]`` -> ``[S, H]`` (weighted sum over local picks; rows past num_recv 0)."""
     S = d.topk_idx.shape[0]
-    return _bridged(d.tokens, d.topk_idx, d.topk_weights, d.num_recv.reshape(1), max(S, 1), w, config,
-                    tokens_per_expert)
+    return bridged_mlp(_tokens(d.tokens, config, w), d.topk_idx, d.topk_weights, w, d.num_recv.reshape(1), max(S, 1),
+                       tokens_per_expert)
 
 
 def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, config: EpConfig,

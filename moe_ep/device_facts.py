@@ -31,6 +31,12 @@ def device_index() -> int:
     return torch.cuda.current_device() if _has_cuda() else -1
 
 
+def plan_key() -> tuple:
+    """(index, TMA supported, shared memory limit, SMs) of the current device: what the grouped GEMM's plan cache
+    keys on."""
+    return device_index(), tma_supported(), smem_limit(), sm_count()
+
+
 def hopper_or_newer() -> bool:
     """Whether the current CUDA device is Hopper (compute capability 9.0) or newer; False without CUDA."""
     props = properties()

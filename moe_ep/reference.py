@@ -299,6 +299,44 @@ def route_experts_ref(topk_idx: torch.Tensor, num_local_experts: int, valid_rows
     return tuple(t.to(torch.int32).to(dev) for t in (counts, offsets, slot, row_of_slot))
 
 
+def padded_slots_ref(topk_idx: torch.Tensor, num_local_experts: int, padded_rows: int,
+                     valid_rows: torch.Tensor | None = None, rows_per_group: int | None = None) -> torch.Tensor:
+    """Reference of ``route_experts(..., padded_rows=P)``'s slots ``[M, K]`` int32: the j-th valid pick of expert e
+    (ascending ``(row, k)``, as :func:`route_experts_ref` orders them) at ``e * P + j``; -1 when the pick is not
+    here or ``j >= P``."""
+    _, offsets, slot, _ = route_experts_ref(topk_idx, num_local_experts, valid_rows, rows_per_group)
+    s, off, ids = slot.long().cpu(), offsets.long().cpu(), topk_idx.long().cpu()
+    out = torch.full(s.shape, -1, dtype=torch.int64)
+    for (m, k) in (s >= 0).nonzero().tolist():
+        e = int(ids[m, k])
+        j = int(s[m, k]) - int(off[e])
+        if j < padded_rows:
+            out[m, k] = e * padded_rows + j
+    return out.to(torch.int32).to(topk_idx.device)
+
+
+def slot_weights_ref(slot: torch.Tensor, weights: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``route_experts(..., weights=w)``'s ``slot_weight``: ``(filled [n_slots] bool, values [n_slots]
+    fp32)``, ``values[slot[m, k]] = float(w[m, k])`` for every valid slot (the rest are not written)."""
+    s, w = slot.long().cpu().reshape(-1), weights.float().cpu().reshape(-1)
+    filled = torch.zeros(n_slots, dtype=torch.bool)
+    values = torch.zeros(n_slots, dtype=torch.float32)
+    ok = s >= 0
+    filled[s[ok]] = True
+    values[s[ok]] = w[ok]
+    return filled.to(slot.device), values.to(slot.device)
+
+
+def scatter_rows_ref(x: torch.Tensor, slot: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reference of ``bridge.scatter_rows``: a copy of ``out`` with ``out[slot[m, k]] = x[m]`` for every slot in
+    ``[0, out.shape[0])`` (slots distinct)."""
+    res = out.clone()
+    s = slot.long()
+    for m, k in ((s >= 0) & (s < out.shape[0])).nonzero().tolist():
+        res[s[m, k]] = x[m]
+    return res
+
+
 def permute_rows_ref(x: torch.Tensor, row_of_slot: torch.Tensor, total: int) -> torch.Tensor:
     """Reference gather: the first ``total`` rows of ``x[row_of_slot]``."""
     return x[row_of_slot[:total].long()]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moe_ep.errors import MoEEpInputError
-from moe_ep.kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
+from moe_ep.kernels.bridge import Route, permute_rows, route_experts, scatter_rows, unpermute_reduce
 from moe_ep.kernels.nvfp4 import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale,
                                   quantize_nvfp4, swizzle_scales, unswizzle_scales)
 
@@ -120,6 +120,19 @@ def permute_stale_route_expected(dev):
     ob = torch.full((4, 8), math.nan, dtype=torch.bfloat16, device=dev)
     ob[1], ob[2] = 0.0, 1.0
     return {"out_buffer": ob}
+
+
+def scatter_slot_past_out(dev):
+    # a hand-made slot past out's rows (and one below 0) writes nothing; the other pick lands, out's rest stays
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    x = torch.tensor([[1.0, 1.0], [2.0, 2.0]], device=dev)
+    ob = torch.full((4, 2), 9.0, device=dev)
+    scatter_rows(x, Route(None, None, i32([[3, -5], [0, 2]]), None), ob[:3])
+    return {"out_buffer": ob}
+
+
+def scatter_slot_past_out_expected(dev):
+    return {"out_buffer": torch.tensor([[2.0, 2.0], [9.0, 9.0], [2.0, 2.0], [9.0, 9.0]], device=dev)}
 
 
 def unpermute_short_y(dev):
@@ -303,7 +316,18 @@ CASES = [
     ("route_huge_int64_ids_not_here", route_huge_int64_ids, Exactly(route_huge_int64_ids_expected)),
     ("route_huge_valid_count_not_narrowed", route_huge_valid_count,
      Exactly(lambda d: {"counts": torch.ones(4, dtype=torch.int32, device=d)})),
+    ("route_padded_rows_zero", lambda d: route_experts(idx(d), 4, padded_rows=0), Raises(I, "padded_rows")),
+    ("route_padded_rows_past_int32", lambda d: route_experts(idx(d), 4, padded_rows=2 ** 29), Raises(I, "padded_rows")),
+    ("route_padded_rows_bool", lambda d: route_experts(idx(d), 4, padded_rows=True), Raises(I, "padded_rows")),
+    ("route_weights_wrong_shape", lambda d: route_experts(idx(d), 4, weights=torch.rand(4, 3, device=d)),
+     Raises(I, "weights")),
+    ("route_weights_int", lambda d: route_experts(idx(d), 4, weights=torch.ones(4, 2, dtype=torch.int32, device=d)),
+     Raises(I, "weights")),
+    ("route_weights_a_list", lambda d: route_experts(idx(d), 4, weights=[[1.0, 1.0]] * 4), Raises(I, "type(weights)")),
     # Route
+    ("route_int_slot_weight", lambda d: Route(None, None, torch.zeros(2, 2, dtype=torch.int32, device=d), None,
+                                              torch.zeros(4, dtype=torch.int32, device=d)),
+     Raises(I, "route.slot_weight")),
     ("route_int64_slot", lambda d: Route(None, None, torch.zeros(2, 2, dtype=torch.int64, device=d), None),
      Raises(I, "route.slot")),
     ("route_row_of_slot_length", lambda d: Route(None, None, torch.zeros(2, 2, dtype=torch.int32, device=d),
@@ -315,6 +339,21 @@ CASES = [
     ("route_mixed_devices", lambda d: Route(torch.zeros(4, dtype=torch.int32, device=d),
                                             torch.zeros(5, dtype=torch.int32, device=META), None, None),
      Raises(I, "route devices")),
+    # scatter_rows
+    ("scatter_x_rows_not_the_routes", lambda d: scatter_rows(torch.randn(3, 8, device=d), route(d),
+                                                             torch.empty(8, 8, device=d)), Raises(I, "x.shape[0]")),
+    ("scatter_out_dtype", lambda d: scatter_rows(torch.randn(4, 8, device=d), route(d),
+                                                 torch.empty(8, 8, dtype=torch.float16, device=d)), Raises(I, "out")),
+    ("scatter_out_width", lambda d: scatter_rows(torch.randn(4, 8, device=d), route(d), torch.empty(8, 4, device=d)),
+     Raises(I, "out")),
+    ("scatter_out_not_contiguous", lambda d: scatter_rows(torch.randn(4, 8, device=d), route(d),
+                                                          torch.empty(8, 8, device=d).T), Raises(I, "out")),
+    ("scatter_out_missing", lambda d: scatter_rows(torch.randn(4, 8, device=d), route(d), None), Raises(I, "type(out)")),
+    ("scatter_x_bool", lambda d: scatter_rows(torch.ones(4, 8, dtype=torch.bool, device=d), route(d),
+                                              torch.empty(8, 8, dtype=torch.bool, device=d)), Raises(I, "x")),
+    ("scatter_route_without_slot", lambda d: scatter_rows(torch.randn(4, 8, device=d), _replaced(route(d), slot=None),
+                                                          torch.empty(8, 8, device=d)), Raises(I, "route.slot")),
+    ("scatter_slot_past_out_writes_nothing", scatter_slot_past_out, Exactly(scatter_slot_past_out_expected)),
     # permute_rows
     ("permute_x_fewer_rows_than_route", lambda d: permute_rows(torch.randn(3, 8, device=d), route(d)),
      Raises(I, "x.shape[0]")),

@@ -6,8 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_ep.kernels import dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
-from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
-from moe_ep.reference import permute_rows_ref, route_experts_ref, unpermute_reduce_ref
+from moe_ep.kernels.bridge import _route, permute_rows, route_experts, scatter_rows, unpermute_reduce
+from moe_ep.reference import (padded_slots_ref, permute_rows_ref, route_experts_ref, scatter_rows_ref,
+                              slot_weights_ref, unpermute_reduce_ref)
 from moe_ep.testing.strategies import Bounds, make_route, route_cases
 from moe_ep.triton_runtime import device
 
@@ -46,6 +47,72 @@ def test_route_in_many_chunks_matches_reference_exactly(case):
         test_route_matches_reference_exactly.hypothesis.inner_test(case)
     finally:
         bridge._ROUTE_CHUNK, bridge._ROUTE_ONE_LAUNCH = old
+
+
+def _few_chunks(test):
+    """Run ``test`` with chunks of 16 ids: the histogram / scan / placement launches, which real shapes take above
+    4096 ids."""
+    import moe_ep.kernels.bridge as bridge
+    old = bridge._ROUTE_CHUNK, bridge._ROUTE_ONE_LAUNCH
+    bridge._ROUTE_CHUNK, bridge._ROUTE_ONE_LAUNCH = 16, 8
+    try:
+        test()
+    finally:
+        bridge._ROUTE_CHUNK, bridge._ROUTE_ONE_LAUNCH = old
+
+
+@given(routes(), st.sampled_from([1, 2, 3, 24]), st.booleans(), st.sampled_from(["float32", "bfloat16"]))
+def test_padded_route_and_slot_weights_match_reference(case, rows, chunks, wdtype):
+    """route_experts(padded_rows=P): LL EXPERT_MAJOR's slots e * P + j, picks past P dropped (small P: drops happen),
+    ragged counts and offsets as before; weights=: each valid slot's weight, padded or ragged."""
+    dev = device()
+    idx, L, valid, group = case
+    M, K = idx.shape
+    idx = idx.to(dev)
+    valid = valid.to(dev) if valid is not None else None
+    w = torch.rand(M, K, generator=torch.Generator().manual_seed(M * 7 + K)).to(getattr(torch, wdtype)).to(dev)
+
+    def check():
+        counts, offsets, slot, _ = route_experts_ref(idx, L, valid, group)
+        p = route_experts(idx, L, valid_rows=valid, rows_per_group=group, padded_rows=rows, weights=w)
+        assert p.row_of_slot is None
+        assert torch.equal(p.counts, counts) and torch.equal(p.offsets, offsets)
+        assert torch.equal(p.slot, padded_slots_ref(idx, L, rows, valid, group))
+        filled, values = slot_weights_ref(p.slot, w, L * rows)
+        assert p.slot_weight.shape == (L * rows,) and p.slot_weight.dtype == torch.float32
+        assert torch.equal(p.slot_weight[filled], values[filled])
+        r = route_experts(idx, L, valid_rows=valid, rows_per_group=group, weights=w)
+        assert torch.equal(r.slot, slot)
+        filled, values = slot_weights_ref(slot, w, M * K)
+        assert torch.equal(r.slot_weight[filled], values[filled])
+        wide = _route(idx.contiguous(), L, valid, group or 1, index_dtype=torch.int64)  # HT EXPERT_MAJOR's counters
+        assert wide.counts.dtype == wide.offsets.dtype == torch.int64
+        assert torch.equal(wide.counts, counts.long()) and torch.equal(wide.offsets, offsets.long())
+        assert torch.equal(wide.slot, slot) and torch.equal(wide.row_of_slot, r.row_of_slot)
+    _few_chunks(check) if chunks else check()
+
+
+@given(routes(), st.sampled_from([2, 24]), st.sampled_from(["bfloat16", "uint8", "float32"]))
+def test_scatter_rows_matches_reference(case, rows, dtype):
+    """Rows to their padded slots (LL EXPERT_MAJOR's tokens); rows of out no pick lands on keep their values."""
+    dev = device()
+    idx, L, valid, group = case
+    M, K = idx.shape
+    g = torch.Generator().manual_seed(M * 3 + K)
+    if dtype == "uint8":
+        x = torch.randint(0, 256, (M, 48), generator=g, dtype=torch.uint8)
+        out = torch.full((L * rows, 48), 7, dtype=torch.uint8)
+    else:
+        x = torch.randn(M, 48, generator=g).to(getattr(torch, dtype))
+        out = torch.full((L * rows, 48), float("nan"), dtype=x.dtype)
+    x, out = x.to(dev), out.to(dev)
+    r = route_experts(idx.to(dev), L, valid_rows=valid.to(dev) if valid is not None else None, rows_per_group=group,
+                      padded_rows=rows)
+    ref = scatter_rows_ref(x, r.slot, out)
+    got = scatter_rows(x, r, out)
+    assert got is out
+    assert torch.equal(got, ref) if dtype == "uint8" else torch.equal(got.isnan(), ref.isnan()) and torch.equal(
+        got.nan_to_num(), ref.nan_to_num())
 
 
 @given(routes(), st.sampled_from([32, 64]), st.sampled_from(["normal", "zeros", "large"]))

@@ -157,3 +157,18 @@ def time_read(*tensors: torch.Tensor, rep_ms: float = 100.0) -> float:
     ``tensors`` (:func:`read_once`), graph-timed."""
     return min(time_graph(lambda b=b, w=w: read_once(*tensors, block=b, warps=w), rep_ms=rep_ms)
                for b, w in _READ_TILINGS)
+
+
+def time_host(fn, *, iters: int = 100, repeats: int = 5, clock=time.perf_counter) -> float:
+    """Host seconds per call of ``fn`` on any machine: the best of ``repeats`` means over ``iters`` back-to-back
+    calls, no sync (what enqueueing costs; on a CPU-only machine with no-op kernel launches, the Python host path
+    of a forward alone). ``clock``: e.g. ``time.thread_time``, this thread's CPU time, which a machine busy with
+    other work disturbs less than the wall clock."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(iters):
+            fn()
+        best = min(best, (clock() - t0) / iters)
+    return best

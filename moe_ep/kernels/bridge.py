@@ -7,17 +7,22 @@ Given ``topk_idx [M, K]`` of *local* expert ids (-1, or any id outside ``[0, L)`
   by atomics: the flattened ids are cut into chunks; each chunk's histogram, an exclusive scan over experts
   then chunks gives every (chunk, expert) its first slot, and a chunk sorts its (expert, position) keys so
   the j-th pick of expert e in the chunk lands at that first slot + j. One launch when the ids fit one
-  chunk (up to 4096 ids: decode), three otherwise (histograms, scan, placement), each parallel over chunks.
+  chunk (up to 4096 ids: decode), two otherwise (histograms, then placement, each placing program scanning the
+  chunks' histograms itself), each parallel over chunks. With ``padded_rows`` the slots are expert-major padded
+  ones instead (LL EXPERT_MAJOR's ``e * rows + j``); with ``weights`` each slot's routing weight is written too.
 * :func:`permute_rows` — gather rows into the expert-sorted buffer ``[M*K, H]`` (or quantize them to NVFP4
   on the way, through ``gather_quantize_nvfp4``).
+* :func:`scatter_rows` — the other direction for padded slots: each pick's row written to its slot.
 * :func:`unpermute_reduce` — ``out[row] = sum_k w[row, k] * y[slot(row, k)]`` in fp32; rows without a
   local pick get zeros.
 
 Everything stays on the device: buffers are sized to the static bound ``M*K`` and the number of valid
 slots is ``offsets[L]``, a device scalar. Rows past the valid slots are left untouched (garbage).
 
-Every launcher checks that its arguments agree (shapes, dtypes, devices; no host sync) and raises
-:class:`MoEEpInputError` naming the argument otherwise. What only the device knows has a defined result instead:
+Every public launcher checks that its arguments agree (shapes, dtypes, devices; no host sync) and raises
+:class:`MoEEpInputError` naming the argument otherwise; the ``_``-prefixed entries (``_route``, ``_permute``,
+``_scatter``, ``_unpermute``) launch the same kernels without the checks, for this package's callers whose tensors
+were checked already (the layout contract, the routing checks). What only the device knows has a defined result instead:
 int64 ids of 2^31 and more are "not here" (compared in int64, never narrowed onto another expert), and a slot
 past the end of ``y`` in :func:`unpermute_reduce` makes its row NaN (never read out of bounds).
 """
@@ -51,16 +56,25 @@ class Route:
 
     :func:`route_experts` makes one. A route built by hand may leave out (None) the parts its consumer does not
     read: :func:`unpermute_reduce` reads ``slot`` only, :func:`permute_rows` ``slot``, ``offsets`` and
-    ``row_of_slot``. The parts given are checked against each other (:class:`MoEEpInputError`).
+    ``row_of_slot``, :func:`scatter_rows` ``slot``. The parts given are checked against each other
+    (:class:`MoEEpInputError`).
     """
 
     counts: torch.Tensor | None       # [L] valid picks per local expert
     offsets: torch.Tensor | None      # [L+1] first slot of each expert; offsets[L] = number of valid slots
     slot: torch.Tensor | None         # [M, K] slot of (row, k), -1 when the pick is not here
     row_of_slot: torch.Tensor | None  # [M*K] source row of each slot, -1 past offsets[L]
+    slot_weight: torch.Tensor | None = None  # float32 [slots]: each valid slot's routing weight (route_experts(weights=))
 
     def __post_init__(self):
         self.check()
+
+    @classmethod
+    def _made(cls, counts, offsets, slot, row_of_slot, slot_weight=None) -> Route:
+        """A route of parts made by this module's own code (agreeing by construction): not checked again."""
+        r = object.__new__(cls)
+        r.counts, r.offsets, r.slot, r.row_of_slot, r.slot_weight = counts, offsets, slot, row_of_slot, slot_weight
+        return r
 
     def check(self) -> None:
         """Raise :class:`MoEEpInputError` unless the given parts are int32 tensors of agreeing shapes on one device."""
@@ -75,6 +89,12 @@ class Route:
             if t.dtype != torch.int32 or t.dim() != nd:
                 fail(f"route.{name}", f"{t.dtype} {tuple(t.shape)}", f"torch.int32, {nd}-D")
             devs.append(t.device)
+        sw = self.slot_weight
+        if sw is not None:
+            if not isinstance(sw, torch.Tensor) or sw.dtype != torch.float32 or sw.dim() != 1:
+                fail("route.slot_weight", f"{getattr(sw, 'dtype', type(sw).__name__)} {tuple(getattr(sw, 'shape', ()))}",
+                     "torch.float32, 1-D, or None")
+            devs.append(sw.device)
         if any(d != devs[0] for d in devs):
             fail("route devices", [str(d) for d in devs], "one device for all parts")
         c, o, sl, r = self.counts, self.offsets, self.slot, self.row_of_slot
@@ -136,37 +156,34 @@ def _store_totals(hist, counts_ptr, offsets_ptr, L, LP: tl.constexpr):
 
 
 @triton.jit
-def _route_scan_kernel(hist_ptr, first_ptr, counts_ptr, offsets_ptr, C, L, LP: tl.constexpr):
-    # one program: expert totals, offsets, and the first slot of every (chunk, expert)
-    b = tl.arange(0, LP)
-    tot = tl.zeros([LP], tl.int32)
-    c = 0
-    while c < C:  # (while: the interpreter cannot take a runtime-bounded range)
-        tot += tl.load(hist_ptr + c * LP + b)
-        c += 1
-    run = _store_totals(tot, counts_ptr, offsets_ptr, L, LP)
-    c = 0
-    while c < C:
-        tl.store(first_ptr + c * LP + b, run)
-        run += tl.where(b < L, tl.load(hist_ptr + c * LP + b), 0)
-        c += 1
-
-
-@triton.jit
-def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, first_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr,
-                        N, K, ROWS_PER_GROUP, L, HAS_VALID: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                        CHUNK: tl.constexpr, LP: tl.constexpr):
+def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr, C,
+                        N, K, ROWS_PER_GROUP, L, PAD_ROWS, w_ptr, slot_w_ptr, HAS_VALID: tl.constexpr,
+                        ONE_CHUNK: tl.constexpr, PADDED: tl.constexpr, SLOT_W: tl.constexpr, CHUNK: tl.constexpr,
+                        LP: tl.constexpr):
     c = tl.program_id(0)
     i, e = _chunk_bins(idx_ptr, valid_ptr, c, N, K, ROWS_PER_GROUP, L, HAS_VALID, CHUNK)
     b = tl.arange(0, LP)
     if ONE_CHUNK:  # histogram and scan in this program: one launch for decode-sized routes
         hist = tl.histogram(e, LP)
-        first = _store_totals(hist, counts_ptr, offsets_ptr, L, LP)
+        offs = _store_totals(hist, counts_ptr, offsets_ptr, L, LP)
+        first = offs
         total = tl.sum(tl.where(b < L, hist, 0), 0)
-    else:
+    else:  # every program scans the C chunks' histograms itself (C is small), so no scan launch sits in between
         hist = tl.load(hist_ptr + c * LP + b)
-        first = tl.load(first_ptr + c * LP + b)
-        total = tl.load(offsets_ptr + L)
+        tot = tl.zeros([LP], tl.int32)
+        before = tl.zeros([LP], tl.int32)  # each expert's picks in the chunks before this one
+        c2 = 0
+        while c2 < C:  # (while: the interpreter cannot take a runtime-bounded range)
+            h = tl.load(hist_ptr + c2 * LP + b)
+            tot += h
+            before += tl.where(c2 < c, h, 0)
+            c2 += 1
+        tot = tl.where(b < L, tot, 0)
+        offs = tl.cumsum(tot, 0) - tot  # at b = L: the number of valid picks
+        if c == 0:
+            _store_totals(tot, counts_ptr, offsets_ptr, L, LP)
+        first = offs + tl.where(b < L, before, 0)
+        total = tl.sum(tot, 0)
     # sorting (bin, position) keys groups the chunk's picks by expert in ascending position: the j-th key
     # sorted is pick number j - start[bin] of its expert in this chunk, whose slot is first[bin] + that
     start = tl.cumsum(hist, 0) - hist
@@ -175,13 +192,22 @@ def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, first_ptr, counts_ptr, off
     ki = c * CHUNK + key % CHUNK
     slot = tl.gather(first - start, kb, 0) + tl.arange(0, CHUNK)
     here = kb < L
+    if PADDED:  # expert-major rows: pick j of expert e at e * PAD_ROWS + j; picks past PAD_ROWS are dropped
+        j = slot - tl.gather(offs, kb, 0)
+        here = here & (j < PAD_ROWS)
+        slot = kb * PAD_ROWS + j
     tl.store(slot_ptr + ki, tl.where(here, slot, -1), mask=ki < N)
-    tl.store(row_of_slot_ptr + slot, ki // K, mask=here)
-    tl.store(row_of_slot_ptr + i, tl.full((CHUNK,), -1, tl.int32), mask=(i < N) & (i >= total))
+    if SLOT_W:  # each slot's routing weight, fp32
+        wv = tl.load(w_ptr + ki, mask=here & (ki < N), other=0.0)
+        tl.store(slot_w_ptr + slot, wv.to(tl.float32), mask=here)
+    if not PADDED:
+        tl.store(row_of_slot_ptr + slot, ki // K, mask=here)
+        tl.store(row_of_slot_ptr + i, tl.full((CHUNK,), -1, tl.int32), mask=(i < N) & (i >= total))
 
 
 def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows: torch.Tensor | None = None,
-                  rows_per_group: int | None = None) -> Route:
+                  rows_per_group: int | None = None, padded_rows: int | None = None,
+                  weights: torch.Tensor | None = None) -> Route:
     """Histogram, offsets and slots of ``topk_idx [M, K]`` (int32/int64 local ids; anything outside [0, L) is
     skipped, int64 ids of 2^31 and more included: they are compared in int64, never truncated onto an expert).
 
@@ -190,6 +216,14 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
     ``r % rows_per_group < valid_rows[r // rows_per_group]`` (e.g. RANK_MAJOR's ``src_rank_counts`` with
     ``T``, or FLAT's ``num_recv`` with ``S``); rows past a count are ignored whatever ids they hold (a negative
     count: the whole group). No host sync.
+
+    ``padded_rows`` (a positive int, ``L * padded_rows < 2**31``): expert-major padded slots instead of ragged ones,
+    as LL EXPERT_MAJOR lays its rows out: the j-th pick of expert e (in the same ascending ``(row, k)`` order) gets
+    slot ``e * padded_rows + j``, and a pick with ``j >= padded_rows`` (more picks than an expert's rows, which only
+    duplicate ids in a row can cause) is dropped (slot -1); ``counts`` and ``offsets`` stay the ragged ones (counts
+    not capped) and ``row_of_slot`` is None. ``weights`` (float ``[M, K]``, on topk_idx's device): also each valid
+    slot's weight, fp32, in ``route.slot_weight`` (``[M*K]``, or ``[L * padded_rows]``; entries of no valid slot
+    are left as they are).
     """
     if not isinstance(topk_idx, torch.Tensor):
         fail("type(topk_idx)", type(topk_idx).__name__, "a torch.Tensor [M, K]")
@@ -223,43 +257,79 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
         valid_rows = valid_rows.contiguous()
     elif rows_per_group is not None:
         fail("rows_per_group", rows_per_group, "None without valid_rows (it sizes valid_rows' groups)")
-    counts = torch.empty(L, dtype=torch.int32, device=dev)
-    offsets = torch.empty(L + 1, dtype=torch.int32, device=dev)
+    pad = 0
+    if padded_rows is not None:
+        if not (_is_int(padded_rows) and 0 < padded_rows and L * padded_rows < 2 ** 31):
+            fail("padded_rows", padded_rows, f"None or a positive int with num_local_experts ({L}) * padded_rows < 2**31")
+        pad = int(padded_rows)
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor):
+            fail("type(weights)", type(weights).__name__, "a float torch.Tensor [M, K] or None")
+        if tuple(weights.shape) != (M, K) or not weights.dtype.is_floating_point or weights.device != dev:
+            fail("weights", f"{tuple(weights.shape)} {weights.dtype} on {weights.device}",
+                 f"a float tensor ({M}, {K}) on {dev} (topk_idx's)")
+        weights = weights.contiguous()
+    return _route(topk_idx.contiguous(), L, valid_rows, rows_per_group or 1, pad, weights)
+
+
+def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, pad_rows: int = 0,
+           weights: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> Route:
+    """:func:`route_experts` on arguments its caller has checked (contiguous ``idx [M, K]``; ``pad_rows`` 0:
+    ragged), its buffers allocated here. ``index_dtype`` int64: ``counts`` and ``offsets`` written as int64 (what
+    HT EXPERT_MAJOR's contract holds; such a route is for this package's own use: :class:`Route` is int32)."""
+    M, K = idx.shape
+    dev = idx.device
+    counts = torch.empty(L, dtype=index_dtype, device=dev)
+    offsets = torch.empty(L + 1, dtype=index_dtype, device=dev)
     slot = torch.empty(M, K, dtype=torch.int32, device=dev)
-    row_of_slot = torch.empty(N, dtype=torch.int32, device=dev)
-    route = Route(counts, offsets, slot, row_of_slot)
-    if N == 0:
+    row_of_slot = None if pad_rows else torch.empty(M * K, dtype=torch.int32, device=dev)
+    slot_weight = None
+    if weights is not None:
+        slot_weight = torch.empty(L * pad_rows if pad_rows else M * K, dtype=torch.float32, device=dev)
+    route = Route._made(counts, offsets, slot, row_of_slot, slot_weight)
+    if M * K == 0:
         offsets.zero_()
         counts.zero_()
     else:
-        _launch_route(topk_idx.contiguous(), valid_rows, rows_per_group or 1, L, route)
+        _launch_route(idx, valid_rows, rows_per_group, L, route, pad_rows=pad_rows, weights=weights)
     return route
 
 
-def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warps: int | None = None) -> None:
+def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warps: int | None = None, *,
+                  pad_rows: int = 0, weights: torch.Tensor | None = None, scratch: dict | None = None) -> None:
     """The route kernels for contiguous ``idx [M, K]`` into ``out``'s buffers: one launch up to
-    ``_ROUTE_ONE_LAUNCH`` ids, else histogram / scan / place over chunks. ``warps``: the launch width (default:
-    the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it)."""
+    ``_ROUTE_ONE_LAUNCH`` ids, else histogram then place over chunks (each placing program scans the histograms).
+    ``warps``: the launch width (default: the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it).
+    ``pad_rows`` > 0: padded expert-major slots (``route_experts(padded_rows=)``; ``out.row_of_slot`` is not written); ``weights``: contiguous ``[M, K]``, written
+    per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]``
+    histograms in between calls (a caller that routes the same shape again). No checks: the caller's."""
     M, K = idx.shape
     N, dev, has_valid = M * K, idx.device, valid_rows is not None
     chunk = max(16, host_math.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
     C, LP = host_math.cdiv(N, chunk), host_math.next_power_of_2(L + 1)
     if warps is None:  # wide chunks keep more ids in flight with 8 warps; measured in docs/PERF.md
         warps = 8 if chunk >= 1024 else 4
-    counts, offsets, slot, row_of_slot = out.counts, out.offsets, out.slot, out.row_of_slot
+    counts, offsets, slot = out.counts, out.offsets, out.slot
+    row_of_slot = out.row_of_slot if out.row_of_slot is not None else slot
+    slot_w = out.slot_weight if weights is not None else counts
     args = (idx, valid_rows if has_valid else counts)
     rest = (N, K, rows_per_group, L)
+    place = (pad_rows, weights if weights is not None else counts, slot_w)
+    flags = dict(HAS_VALID=has_valid, PADDED=pad_rows > 0, SLOT_W=weights is not None, CHUNK=chunk, LP=LP,
+                 num_warps=warps)
     if C == 1:
-        launch_cache.launch(_route_place_kernel, (1,), *args, counts, counts, counts, offsets, slot, row_of_slot, *rest,
-                            HAS_VALID=has_valid, ONE_CHUNK=True, CHUNK=chunk, LP=LP, num_warps=warps)
+        launch_cache.launch(_route_place_kernel, (1,), *args, counts, counts, offsets, slot, row_of_slot, 1, *rest,
+                            *place, ONE_CHUNK=True, **flags)
     else:
-        hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
-        first = torch.empty(C, LP, dtype=torch.int32, device=dev)
+        hist = scratch.get("hist") if scratch is not None else None
+        if hist is None:
+            hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
+            if scratch is not None:
+                scratch["hist"] = hist
         launch_cache.launch(_route_hist_kernel, (C,), *args, hist, *rest, HAS_VALID=has_valid, CHUNK=chunk, LP=LP,
                             num_warps=warps)
-        launch_cache.launch(_route_scan_kernel, (1,), hist, first, counts, offsets, C, L, LP=LP, num_warps=4)
-        launch_cache.launch(_route_place_kernel, (C,), *args, hist, first, counts, offsets, slot, row_of_slot, *rest,
-                            HAS_VALID=has_valid, ONE_CHUNK=False, CHUNK=chunk, LP=LP, num_warps=warps)
+        launch_cache.launch(_route_place_kernel, (C,), *args, hist, counts, offsets, slot, row_of_slot, C, *rest,
+                            *place, ONE_CHUNK=False, **flags)
 
 
 def _gather_configs():
@@ -299,7 +369,7 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
     ``[M*K, H]`` tensor of x's dtype and device to write into (plain gathers only).
     """
     _check_route(route, "offsets", "slot", "row_of_slot")
-    M, N = route.slot.shape[0], route.row_of_slot.shape[0]
+    M = route.slot.shape[0]
     if not isinstance(quantize, bool):
         fail("quantize", quantize, "True or False")
     if isinstance(x, NvFp4Tensor):
@@ -310,10 +380,7 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
             fail("quantize / out / nvfp4_global_scale", (quantize, type(out).__name__, type(nvfp4_global_scale).__name__),
                  "False / None / None with an NvFp4Tensor x (it is gathered as it is)")
         _check_rows(x.shape[0], M, x.data, route)
-        gs = x.global_scale.reshape(-1)
-        gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
-        return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype),
-                           gs, torch.Size((N, x.shape[1])))
+        return _permute(x, route)
     if isinstance(x, Fp8Tensor):
         x.check("x")
         if len(x.shape) != 2 or x.block_rows != 1:
@@ -323,8 +390,7 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
                                                           type(nvfp4_global_scale).__name__),
                  "False / None / None with an Fp8Tensor x (it is gathered as it is)")
         _check_rows(x.shape[0], M, x.data, route)
-        return Fp8Tensor(_gather(x.data.view(torch.uint8), route).view(torch.float8_e4m3fn),
-                         _gather(x.scales, route), 1)
+        return _permute(x, route)
     if not isinstance(x, torch.Tensor):
         fail("type(x)", type(x).__name__, "a torch.Tensor [M, H], an NvFp4Tensor or an Fp8Tensor")
     if x.dim() != 2:
@@ -341,6 +407,19 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
     if nvfp4_global_scale is not None:
         fail("nvfp4_global_scale", type(nvfp4_global_scale).__name__, "None unless quantize=True")
     return _gather(x, route, out)
+
+
+def _permute(x, route: Route):
+    """:func:`permute_rows` (no quantize, no ``out``) on checked arguments: a tensor, or an NvFp4Tensor's packed rows,
+    scales and global scales (one, or one per row), or an Fp8Tensor's codes and scales, gathered as they are."""
+    if isinstance(x, Fp8Tensor):
+        return Fp8Tensor(_gather(x.data.view(torch.uint8), route).view(torch.float8_e4m3fn), _gather(x.scales, route), 1)
+    if not isinstance(x, NvFp4Tensor):
+        return _gather(x, route)
+    gs = x.global_scale.reshape(-1)
+    gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
+    return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype), gs,
+                       torch.Size((route.row_of_slot.shape[0], x.shape[1])))
 
 
 def _check_rows(m: int, route_m: int, t: torch.Tensor, route: Route) -> None:
@@ -370,6 +449,55 @@ def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> t
         autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot.contiguous(), route.offsets[-1:], out,
                           N, x2.shape[0], H, x2.stride(0))
     return out
+
+
+@triton.autotune(configs=_gather_configs(), key=["H"])
+@triton.jit
+def _scatter_rows_kernel(x_ptr, slot_ptr, out_ptr, N, K, H, stride_x, N_OUT,
+                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    picks = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = picks < N
+    dst = tl.load(slot_ptr + picks, mask=live, other=-1).to(tl.int64)
+    ok = live & (dst >= 0) & (dst < N_OUT)  # a hand-made slot never writes past out
+    cmask = cols[None, :] < H
+    src = (picks // K).to(tl.int64)
+    v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cmask, other=0)
+    tl.store(out_ptr + dst[:, None] * H + cols[None, :], v, mask=ok[:, None] & cmask)
+
+
+def scatter_rows(x: torch.Tensor, route: Route, out: torch.Tensor) -> torch.Tensor:
+    """``out[slot[m, k]] = x[m]`` for every pick with a slot in ``[0, out.shape[0])``; other rows of ``out`` are
+    left as they are. Returns ``out``.
+
+    ``x [M, H]`` any real float or integer dtype (bf16 tokens, or the bytes of packed rows), ``route.slot [M, K]``
+    (e.g. :func:`route_experts` with ``padded_rows``: LL EXPERT_MAJOR's ``[L * rows, H]`` buffer), ``out [P, H]``
+    contiguous, x's dtype, all on one device. Two picks with one slot (a hand-made route) write one of the two.
+    No host sync.
+    """
+    _check_route(route, "slot")
+    if not isinstance(x, torch.Tensor):
+        fail("type(x)", type(x).__name__, "a torch.Tensor [M, H]")
+    if x.dim() != 2 or x.dtype == torch.bool or x.dtype.is_complex:
+        fail("x", f"{tuple(x.shape)} {x.dtype}", "a 2-D real float or integer tensor [M, H]")
+    _check_rows(x.shape[0], route.slot.shape[0], x, route)
+    if not isinstance(out, torch.Tensor):
+        fail("type(out)", type(out).__name__, "a torch.Tensor [P, H]")
+    if out.dim() != 2 or out.shape[1] != x.shape[1] or not out.is_contiguous():
+        fail("out", f"{tuple(out.shape)} contiguous={out.is_contiguous()}", f"contiguous (P, {x.shape[1]})")
+    if out.dtype != x.dtype or out.device != x.device:
+        fail("out", f"{out.dtype} on {out.device}", f"{x.dtype} on {x.device} (x's)")
+    _scatter(x, route.slot.contiguous(), out)
+    return out
+
+
+def _scatter(x: torch.Tensor, slot: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`scatter_rows` on checked arguments (``slot`` contiguous ``[M, K]``, ``out`` contiguous)."""
+    N, H = slot.numel(), x.shape[1]
+    if N and H:
+        x2 = x if x.stride(1) == 1 else x.contiguous()
+        grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        autotuning.launch(_scatter_rows_kernel, grid, x2, slot, out, N, slot.shape[1], H, x2.stride(0), out.shape[0])
 
 
 def _reduce_configs():
@@ -444,13 +572,21 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
         if not weights.dtype.is_floating_point or weights.device != y.device:
             fail("weights", f"{weights.dtype} on {weights.device}", f"a float dtype on {y.device} (y's)")
         weights = weights.contiguous()
-    if M and H:
-        y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
-        grid = lambda meta: (host_math.cdiv(M, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        autotuning.launch(_unpermute_reduce_kernel, grid, y2, slot.contiguous(),
-                          weights if weights is not None else y2, out, M, H, K, y2.shape[0], y2.stride(0),
-                          HAS_W=weights is not None)
+    _unpermute(y2, slot.contiguous(), weights, out)
     return out
 
 
-__all__ = ["Route", "route_experts", "permute_rows", "unpermute_reduce", "NvFp4Tensor"]
+def _unpermute(y2: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """:func:`unpermute_reduce` on checked arguments: ``y2 [S, H]``, ``slot`` contiguous ``[M, K]``, ``weights``
+    contiguous ``[M, K]`` or None, ``out`` contiguous ``[M, H]``. Returns ``out``."""
+    M, K = slot.shape
+    H = y2.shape[1]
+    if M and H:
+        y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
+        grid = lambda meta: (host_math.cdiv(M, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        autotuning.launch(_unpermute_reduce_kernel, grid, y2, slot, weights if weights is not None else y2, out, M,
+                          H, K, y2.shape[0], y2.stride(0), HAS_W=weights is not None)
+    return out
+
+
+__all__ = ["Route", "route_experts", "permute_rows", "scatter_rows", "unpermute_reduce", "NvFp4Tensor"]

@@ -53,10 +53,10 @@ def bridge():
     ids = {"idx_ptr": "*i64", "valid_ptr": "*i32"}
     shape = {"N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32", "HAS_VALID": "constexpr"}
     hist = {**ids, "hist_ptr": "*i32", **shape, "CHUNK": "constexpr", "LP": "constexpr"}
-    scan = {"hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "C": "i32",
-            "L": "i32", "LP": "constexpr"}
-    place = {**ids, "hist_ptr": "*i32", "first_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
-             "slot_ptr": "*i32", "row_of_slot_ptr": "*i32", **shape, "ONE_CHUNK": "constexpr", "CHUNK": "constexpr",
+    place = {**ids, "hist_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "slot_ptr": "*i32",
+             "row_of_slot_ptr": "*i32", "C": "i32", "N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32",
+             "PAD_ROWS": "i32", "w_ptr": "*fp32", "slot_w_ptr": "*fp32", "HAS_VALID": "constexpr",
+             "ONE_CHUNK": "constexpr", "PADDED": "constexpr", "SLOT_W": "constexpr", "CHUNK": "constexpr",
              "LP": "constexpr"}
     gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "M_X": "i32",
               "H": "i32", "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
@@ -65,13 +65,24 @@ def bridge():
            "BLOCK_H": "constexpr"}
     big = {"CHUNK": _bridge._ROUTE_CHUNK, "LP": 64}
     checks = [(_bridge._route_hist_kernel, hist, {"HAS_VALID": True, **big}),
-              (_bridge._route_scan_kernel, scan, {"LP": 64}),
               (_bridge._route_hist_kernel, dict(hist, idx_ptr="*i32", valid_ptr="*i64"), {"HAS_VALID": True, **big})]
-    checks += [(_bridge._route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, **big,
-                                             "CHUNK": _bridge._ROUTE_ONE_LAUNCH if one else _bridge._ROUTE_CHUNK})
+
+    def chunk(one):
+        return _bridge._ROUTE_ONE_LAUNCH if one else _bridge._ROUTE_CHUNK
+    checks += [(_bridge._route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, "PADDED": False,
+                                                     "SLOT_W": False, **big, "CHUNK": chunk(one)})
                for v in (False, True) for one in (False, True)]
+    # LL EXPERT_MAJOR at world size 1 (padded slots), HT EXPERT_MAJOR (slot weights, int64 counts and offsets)
+    wide = dict(place, counts_ptr="*i64", offsets_ptr="*i64", w_ptr="*bf16")
+    checks += [(_bridge._route_place_kernel, sig, {"HAS_VALID": False, "ONE_CHUNK": one, "PADDED": pad,
+                                                   "SLOT_W": sw, **big, "CHUNK": chunk(one)})
+               for one in (False, True) for pad, sw, sig in ((True, False, place), (False, True, wide))]
+    scatter = {"x_ptr": "*bf16", "slot_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "H": "i32",
+               "stride_x": "i32", "N_OUT": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     for t in ("bf16", "u8", "fp32"):  # bf16 rows; NVFP4 rows: packed codes and scales (u8), global scales (fp32)
         checks.append((_bridge._gather_rows_kernel.fn, dict(gather, x_ptr=f"*{t}", out_ptr=f"*{t}"),
+                       {"BLOCK_M": 4, "BLOCK_H": 1024}))
+        checks.append((_bridge._scatter_rows_kernel.fn, dict(scatter, x_ptr=f"*{t}", out_ptr=f"*{t}"),
                        {"BLOCK_M": 4, "BLOCK_H": 1024}))
     checks += [(_bridge._unpermute_reduce_kernel.fn, red, {"K": 8, "HAS_W": w, "BLOCK_M": 4, "BLOCK_H": 1024})
                for w in (False, True)]

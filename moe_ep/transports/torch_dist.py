@@ -42,6 +42,7 @@ from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighTh
 from ..rank_agreement import raise_if_peer_failed
 from ..triton_runtime import device as kernel_device
 from .base import group_rank_world
+from .world_one import WorldOneLayouts
 
 
 class TorchDistTransport:
@@ -67,6 +68,8 @@ class TorchDistTransport:
                 raise MoEEpConfigError("transport group backend = 'nccl' with CPU tensors; allowed: gloo on CPU")
         self._bufs: dict[str, torch.Tensor] = {}
         self._state = None
+        # world size 1: nothing to exchange; the layouts come from the caller's tensors (world_one.py)
+        self._local = WorldOneLayouts(config, self.device) if self.world == 1 else None
         # the layout, chosen once: how the compact received rows become its result, and, except where combine
         # applies the routing weights itself (LL EXPERT_MAJOR), how the compute's output becomes one row per
         # received token to send back
@@ -168,44 +171,30 @@ class TorchDistTransport:
             q = quantize_nvfp4_tokens(x, self.config.activation_global_scale)
         elif self.fp8:  # once, before the exchange; non-finite tokens: the layer's validate refuses them
             q = quantize_fp8(x, 1, check_finite=False)
+        if self._local is not None:  # no exchange, no sync
+            return self._local.dispatch(x, q, topk_idx, topk_weights)
         c = self._compact()
         R, L = self.world, self.L
         st = {"B": B, "topk_weights": topk_weights}
-        if R == 1:  # no exchange, no sync: the compact rows are this rank's tokens
-            if q is None:
-                c["tok"][:B] = x
-            elif self.fp8:
-                c["data"][:B], c["scales"][:B] = q.data.view(torch.uint8), q.scales
-            else:
-                c["data"][:B], c["scales"][:B] = q.data, q.scales.view(torch.uint8)
-                c["gs"][:B] = q.global_scale
-            if topk_idx.dtype is torch.int64:  # ids outside [0, E) -> E (no expert) before any int32 narrowing
-                torch.clamp(topk_idx, -1, self.config.num_experts, out=c["ids"][:B])
-            else:
-                c["ids"][:B] = topk_idx
-            c["w"][:B] = topk_weights
-            n_total = torch.full((1,), B, dtype=torch.int64, device=self.device)
-            n_from = [B]
-        else:
-            idx = topk_idx.long()
-            owner = torch.where((idx >= 0) & (idx < self.config.num_experts), idx // L, -1)  # else: no expert
-            hit = owner[:, :, None] == torch.arange(R, device=self.device)  # [B, K, R]
-            to_dst = hit.any(1)                                              # [B, R]
-            counts = torch.stack([to_dst.sum(0), hit.sum((0, 1))], 1)        # tokens, picks per dst
-            recv_counts = torch.empty_like(counts)
-            self._a2a_counts(counts, recv_counts)
-            host = torch.cat([counts, recv_counts], 1).tolist()  # the one host sync of this dispatch
-            send_tok, send_pick = [h[0] for h in host], [h[1] for h in host]
-            n_from, recv_pick = [h[2] for h in host], [h[3] for h in host]
-            if min(n_from) < 0:  # a rank failed its forward checks and sent a marker instead (moe_ep.rank_agreement)
-                raise_if_peer_failed(n_from, self.group, self.rank, self.world, self.device)
-            d_idx, b_idx = to_dst.T.nonzero(as_tuple=True)  # dst-major, tokens ascending
-            local = torch.where(owner[b_idx] == d_idx[:, None], idx[b_idx] - d_idx[:, None] * L, -1)
-            send = self._pack(x, q, b_idx, local, topk_weights[b_idx])
-            recv = self._a2a(send, send_tok, n_from, "recv_dispatch")
-            self._unpack_into_compact(recv, sum(n_from))
-            n_total = torch.full((1,), sum(n_from), dtype=torch.int64, device=self.device)
-            st.update(to_dst=to_dst, owner=owner, send_tok=send_tok, send_pick=send_pick, recv_pick=recv_pick)
+        idx = topk_idx.long()
+        owner = torch.where((idx >= 0) & (idx < self.config.num_experts), idx // L, -1)  # else: no expert
+        hit = owner[:, :, None] == torch.arange(R, device=self.device)  # [B, K, R]
+        to_dst = hit.any(1)                                              # [B, R]
+        counts = torch.stack([to_dst.sum(0), hit.sum((0, 1))], 1)        # tokens, picks per dst
+        recv_counts = torch.empty_like(counts)
+        self._a2a_counts(counts, recv_counts)
+        host = torch.cat([counts, recv_counts], 1).tolist()  # the one host sync of this dispatch
+        send_tok, send_pick = [h[0] for h in host], [h[1] for h in host]
+        n_from, recv_pick = [h[2] for h in host], [h[3] for h in host]
+        if min(n_from) < 0:  # a rank failed its forward checks and sent a marker instead (moe_ep.rank_agreement)
+            raise_if_peer_failed(n_from, self.group, self.rank, self.world, self.device)
+        d_idx, b_idx = to_dst.T.nonzero(as_tuple=True)  # dst-major, tokens ascending
+        local = torch.where(owner[b_idx] == d_idx[:, None], idx[b_idx] - d_idx[:, None] * L, -1)
+        send = self._pack(x, q, b_idx, local, topk_weights[b_idx])
+        recv = self._a2a(send, send_tok, n_from, "recv_dispatch")
+        self._unpack_into_compact(recv, sum(n_from))
+        n_total = torch.full((1,), sum(n_from), dtype=torch.int64, device=self.device)
+        st.update(to_dst=to_dst, owner=owner, send_tok=send_tok, send_pick=send_pick, recv_pick=recv_pick)
         st["n_from"] = n_from
         self._state = st
         return self._build(c, n_total, st)
@@ -238,9 +227,8 @@ class TorchDistTransport:
 
     def _ll_rank_major(self, c, n_total: torch.Tensor, st) -> LowLatencyRankMajor:
         R, T, K = self.world, self.config.max_tokens_per_rank, self.config.top_k
-        rm = c if R == 1 else self._to_rank_major(c, st["n_from"])
-        counts = (torch.full((1,), st["B"], dtype=torch.int32, device=self.device) if R == 1  # graph-safe
-                  else torch.tensor(st["n_from"], dtype=torch.int32, device=self.device))
+        rm = self._to_rank_major(c, st["n_from"])
+        counts = torch.tensor(st["n_from"], dtype=torch.int32, device=self.device)
         return LowLatencyRankMajor(self._tokens(rm, shape=(R, T)), topk_idx=rm["ids"].view(R, T, K).to(torch.int32),
                                    topk_weights=rm["w"].view(R, T, K), src_rank_counts=counts)
 
@@ -313,6 +301,8 @@ class TorchDistTransport:
     # ---- combine --------------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """``[B, H]`` bf16 in the original token order from the compute's output for the last dispatch."""
+        if self._local is not None:
+            return self._local.combine(expert_out)
         return self._combine(expert_out)
 
     def _combine_picks(self, expert_out: torch.Tensor) -> torch.Tensor:
@@ -320,8 +310,6 @@ class TorchDistTransport:
         st, cfg = self._state, self.config
         R, L, T, B, H = self.world, self.L, cfg.max_tokens_per_rank, st["B"], cfg.hidden_size
         y = expert_out.reshape(L * R * T, H)
-        if R == 1:  # weights applied here, in fp32
-            return unpermute_reduce(y, Route(None, None, st["dest"], None), self._compact()["w"])[:B]
         flat = st["dest"].reshape(-1).long()
         send = y[flat[flat >= 0]]  # one row per received pick, in compact order
         ret = self._a2a(send, st["recv_pick"], st["send_pick"], "recv_combine")
@@ -337,7 +325,7 @@ class TorchDistTransport:
     def _rank_major_rows(self, expert_out: torch.Tensor, st) -> torch.Tensor:
         R, T = self.world, self.config.max_tokens_per_rank
         rm = expert_out.reshape(R, T, self.config.hidden_size)
-        return rm[0] if R == 1 else torch.cat([rm[s, :n] for s, n in enumerate(st["n_from"])])
+        return torch.cat([rm[s, :n] for s, n in enumerate(st["n_from"])])
 
     def _flat_rows(self, expert_out: torch.Tensor, st) -> torch.Tensor:
         return expert_out.reshape(-1, self.config.hidden_size)
@@ -348,10 +336,8 @@ class TorchDistTransport:
 
     def _combine_rows(self, expert_out: torch.Tensor) -> torch.Tensor:
         """One pre-reduced row per received token goes back; the owner sums them in fp32."""
-        st, H, R, B = self._state, self.config.hidden_size, self.world, self._state["B"]
+        st, H = self._state, self.config.hidden_size
         rows = self._rows(expert_out, st)  # compact order: source-rank segments, token order within
-        if R == 1:
-            return rows[:B].to(torch.bfloat16)
         ret = self._a2a(rows[:sum(st["n_from"])].to(torch.bfloat16), st["n_from"], st["send_tok"], "recv_combine")
         to_dst = st["to_dst"]  # [B, R]: ret holds, per dst in order, one row per token sent there
         base = torch.tensor([0] + st["send_tok"][:-1], device=self.device).cumsum(0)
@@ -363,3 +349,5 @@ class TorchDistTransport:
         """Drop the buffers (the process group belongs to the caller)."""
         self._bufs.clear()
         self._state = None
+        if self._local is not None:
+            self._local.close()

@@ -156,24 +156,25 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
         m_bucket(_tokens_per_expert(xshape, offsets is not None, G, m_hint)) <= DECODE_MAX_M
     chained = decode and isinstance(w13, torch.Tensor) and chain_enabled()
     first = Link(pdl=dependent_launch_supported()) if chained else None
+    env = plans.environment()  # one for both GEMMs
     call1 = _check(x, w13, counts, offsets, True, None, None, m_hint, fp8)
-    p1 = _launch(call1, _plan(call1, first, None), first)
+    p1 = _launch(call1, _plan(call1, first, None, env), first)
     h = call1.out
     second = None
     if first is not None and p1.config is not None:  # chained, and GEMM1 had rows
         second = Link(first.ready, (p1.config["BLOCK_M"], host_math.cdiv(I2 // 2, p1.config["BLOCK_N"])),
                       first.pdl and not _shares_memory(out, x))
     call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint, False)
-    p2 = _launch(call2, _plan(call2, second, None), second)
+    p2 = _launch(call2, _plan(call2, second, None, env), second)
     return (call2.out, (p1, p2)) if return_plan else call2.out
 
 
-def _plan(call: _Call, link: Link | None, config: dict | None) -> GemmPlan:
+def _plan(call: _Call, link: Link | None, config: dict | None, env: tuple | None = None) -> GemmPlan:
     chain = "none" if link is None else ("counts" if link.wait is None else "waits")
     return plans.decide(ragged=call.ragged, x_fp4=call.x_fp4, w_fp4=call.w_fp4, fp8=call.fp8,
                         fp8_out=call.quantize_out, swiglu=call.swiglu,
                         row_scale=call.row_scale is not None, G=call.G, N=call.N, K=call.K, M_max=call.M_max,
-                        S=call.S, m=call.m, chain=chain, pdl=link is not None and link.pdl, config=config)
+                        S=call.S, m=call.m, chain=chain, pdl=link is not None and link.pdl, config=config, env=env)
 
 
 def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
@@ -311,7 +312,9 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
 
 
 def _check_m_hint(m_hint) -> None:
-    if m_hint is not None and (not isinstance(m_hint, numbers.Integral) or isinstance(m_hint, bool) or m_hint < 1):
+    if m_hint is None or (type(m_hint) is int and m_hint >= 1):  # the common case without the ABC check
+        return
+    if not isinstance(m_hint, numbers.Integral) or isinstance(m_hint, bool) or m_hint < 1:
         fail("m_hint", m_hint, "None or a positive int (expected tokens per expert)")
 
 

@@ -70,23 +70,28 @@ class GemmPlan:
         return self.layout == "ragged"
 
 
+def environment() -> tuple:
+    """What a plan depends on besides the call: (the options, the tuned files' versions, the device's
+    ``device_facts.plan_key``). One value for several calls made together (the expert MLP's two GEMMs)."""
+    return options.current(), tuned_files.file_versions(), device_facts.plan_key()
+
+
 def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: bool, G: int, N: int, K: int,
            M_max: int, S: int, m: int, chain: str = "none", pdl: bool = False, config: dict | None = None,
-           fp8: bool = False, fp8_out: bool = False) -> GemmPlan:
+           fp8: bool = False, fp8_out: bool = False, env: tuple | None = None) -> GemmPlan:
     """The plan of a call with these sizes and formats (``m``: tokens per expert the config is chosen for).
     ``config``: a forced tile config (checked against the tuned-file schema, the FP8 rules where ``fp8`` / ``fp8_out``
     and this GPU's shared memory). ``fp8``: x and w are FP8; ``fp8_out``: the epilogue quantizes to FP8.
 
     Plans without a forced config are cached, keyed by every input: these arguments, the options, the tuned
-    files' versions and the device (a plan is a pure function of them; the cache is bounded)."""
+    files' versions and the device (a plan is a pure function of them; the cache is bounded). ``env``:
+    :func:`environment`, when the caller has it already."""
     fmt = ("fp8" if fp8 else "nvfp4" if x_fp4 else "bf16", "fp8" if fp8 else "nvfp4" if w_fp4 else "bf16",
            "fp8" if fp8_out else "bf16")
     if config is not None:
         return _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config, options.current())
-    device = (device_facts.device_index(), device_facts.tma_supported(), device_facts.smem_limit(),
-              device_facts.sm_count())
-    return _cached_decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, options.current(),
-                          tuned_files.file_versions(), device)
+    opts, versions, device = env if env is not None else environment()
+    return _cached_decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, opts, versions, device)
 
 
 def clear_cache() -> None:
