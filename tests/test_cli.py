@@ -1,6 +1,7 @@
 """The ``moe-ep`` subcommands at tiny sizes (CPU: kernels through the interpreter): exit codes, output files,
 tuned configs loaded by the kernels, fuzz failing loudly on a planted mismatch."""
 
+import argparse
 import json
 import os
 import shutil
@@ -371,3 +372,46 @@ def test_version_is_the_installed_or_the_package_version():
     p = subprocess.run([sys.executable, "-m", "moe_ep.cli", "--version"], env=_env(), capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == f"moe-ep {want}", (p.stdout, p.stderr)
+
+
+# `python -m moe_ep.cli ARGS` in a fresh process, then the heavy modules it imported (a JSON line on stderr)
+_IMPORTS_OF = r"""
+import json, runpy, sys
+sys.argv = ["moe-ep", *sys.argv[1:]]
+try:
+    runpy.run_module("moe_ep.cli", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton", "numpy", "hypothesis", "transformers"))
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []])
+def test_help_and_version_import_neither_torch_nor_triton(argv):
+    """``moe-ep --help`` / ``--version`` (and a bare ``moe-ep``, which says what is missing) answer at once: the
+    subcommands' modules, which import torch, are not imported for them."""
+    p = subprocess.run([sys.executable, "-c", _IMPORTS_OF, *argv], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    seen = json.loads(p.stderr.strip().splitlines()[-1])
+    assert seen["heavy"] == [], seen["heavy"]
+    if argv == ["--help"]:
+        assert seen["code"] == 0
+        listed = {ln.split()[0] for ln in p.stdout.splitlines() if ln.startswith("    ") and ln[4] != " "}
+        assert listed == {"demo", "info", "bench", "tune", "fuzz"}, p.stdout
+    elif argv == ["--version"]:
+        assert seen["code"] == 0 and p.stdout.startswith("moe-ep "), p.stdout
+    else:
+        assert seen["code"] == 2 and "COMMAND" in p.stderr, p.stderr
+
+
+def test_a_command_gets_its_options_only_when_asked_for(capsys):
+    """main builds only the asked command's options (the others' modules stay unimported); a command's own
+    --help still lists them."""
+    from moe_ep.cli import build_parser
+    choices = next(a for a in build_parser([])._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(choices) == {"demo", "info", "bench", "tune", "fuzz"}
+    assert all(len(p._actions) == 1 for p in choices.values())  # --help only
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    assert "--presets" in capsys.readouterr().out
