@@ -140,6 +140,7 @@ def test_fuzz_passes_on_the_real_kernels(tmp_path, monkeypatch):
         assert options.current() == before and options.current().autotune
 
 
+@pytest.mark.one_triton
 def test_fuzz_jobs_runs_targets_in_parallel_processes(tmp_path, capsys):
     assert main(["fuzz", "--targets", "quantize,route,permute", "--examples", "3", "--jobs", "2",
                  "--database", str(tmp_path / "db")]) == 0
@@ -157,6 +158,7 @@ def test_fuzz_shard_plan_splits_targets_and_their_examples():
     assert shard_plan(["a"], 2, None) == [("a", 0, None), ("a", 1, None)]
 
 
+@pytest.mark.one_triton
 def test_fuzz_jobs_shards_one_target_and_sums_its_examples(tmp_path, capsys):
     assert main(["fuzz", "--targets", "route", "--examples", "5", "--jobs", "2",
                  "--database", str(tmp_path / "db")]) == 0
@@ -166,6 +168,7 @@ def test_fuzz_jobs_shards_one_target_and_sums_its_examples(tmp_path, capsys):
     assert table.count("route") == 1 and " 5 " in table.split("route")[1].splitlines()[0]
 
 
+@pytest.mark.one_triton
 def test_fuzz_jobs_reports_a_child_that_died(tmp_path, monkeypatch, capsys):
     from moe_ep.commands import fuzz
     monkeypatch.setattr(fuzz, "_child_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
@@ -201,6 +204,7 @@ def test_fuzz_planted_mismatch_exits_nonzero_with_a_reproduction(tmp_path, monke
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(
     sys.executable), "torchrun")), reason="torchrun not installed")
+@pytest.mark.one_triton
 def test_bench_under_torchrun_two_ranks(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     p = subprocess.run([torchrun if os.path.exists(torchrun) else "torchrun", "--nproc-per-node", "2",
