@@ -1,6 +1,8 @@
 """The ``moe-ep`` command: demo, info, bench, tune, fuzz.
 
 Each subcommand's logic lives in its own module under ``moe_ep.commands``; this file wires argparse and the demo.
+Those modules import torch, so a command's options are added only when it is the one asked for: ``moe-ep --help``
+and ``--version`` import neither torch nor triton.
 Bad arguments raise named errors (:class:`moe_ep.MoEEpInputError` / :class:`moe_ep.MoEEpConfigError`),
 reported as ``moe-ep <cmd>: error: ...`` with exit code 2.
 """
@@ -11,7 +13,8 @@ import argparse
 import sys
 import time
 
-import moe_ep
+from . import __version__
+from .errors import MoEEpError
 
 DESCRIPTION = """moe-ep: run, check and tune an expert-parallel Mixture-of-Experts layer.
 
@@ -143,35 +146,61 @@ def version() -> str:
     try:
         return metadata.version("moe-ep")
     except metadata.PackageNotFoundError:
-        return moe_ep.__version__
+        return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``moe-ep`` argument parser, every subcommand included."""
-    from .commands.common import add_format_arguments, add_shape_arguments, plain
+def build_parser(commands=None) -> argparse.ArgumentParser:
+    """The ``moe-ep`` argument parser: every subcommand, with its options for those in ``commands`` (default: all;
+    a subcommand's options come from its module, which imports torch)."""
     parser = argparse.ArgumentParser(prog="moe-ep", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"moe-ep {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="one of these:")
-    demo = sub.add_parser("demo", help="run the quantizer and the layer on a small model, checked against the "
-                          "reference", description=plain(DEMO_DESCRIPTION),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_shape_arguments(demo)
-    add_format_arguments(demo)
-    demo.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4 on the CPU, 128 on a GPU)")
-    demo.add_argument("--ranks", type=int, default=2, help="ranks to spawn (gloo, this machine); must divide "
-                      "--experts (default 2)")
-    demo.add_argument("--quant-tokens", type=int, default=64, help="rows of the NVFP4 round-trip check (default 64)")
-    demo.set_defaults(func=_demo)
-    _add_commands(sub, plain)
+    for name, help_text in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+        if commands is None or name in commands:
+            _add_options(name, p)
     return parser
 
 
+def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
+    """Subcommand ``name``'s description and options: the demo's here, the others' from ``moe_ep.commands.<name>``
+    (each has ``add_arguments`` and ``run``)."""
+    import importlib
+
+    from .commands.common import add_format_arguments, add_shape_arguments, plain
+    if name == "demo":
+        parser.description = plain(DEMO_DESCRIPTION)
+        add_shape_arguments(parser)
+        add_format_arguments(parser)
+        parser.add_argument("--tokens", type=int, default=None,
+                            help="tokens per rank (default 4 on the CPU, 128 on a GPU)")
+        parser.add_argument("--ranks", type=int, default=2, help="ranks to spawn (gloo, this machine); must divide "
+                            "--experts (default 2)")
+        parser.add_argument("--quant-tokens", type=int, default=64,
+                            help="rows of the NVFP4 round-trip check (default 64)")
+        parser.set_defaults(func=_demo)
+        return
+    mod = importlib.import_module(f"moe_ep.commands.{name}")
+    parser.description = plain(mod.__doc__)
+    mod.add_arguments(parser)
+    parser.set_defaults(func=mod.run)
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` asks for (the first word not an option: the top level has only --help and
+    --version), None for none or an unknown one (argparse then says what is allowed)."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in _COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = _command_in(argv)
+    args = build_parser([cmd] if cmd else []).parse_args(argv)
     try:
         return args.func(args)
-    except moe_ep.MoEEpError as e:
+    except MoEEpError as e:
         print(f"moe-ep {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
@@ -183,22 +212,12 @@ shape is a preset (default small) with overrides."""
 
 
 _COMMANDS = {
+    "demo": "run the quantizer and the layer on a small model, checked against the reference",
     "info": "device, versions, transports available (and why not), tuned configs found",
     "bench": "time the kernels and the layer against their peers and floors; JSON + PNG",
     "tune": "sweep the grouped GEMM configs per shape and token bucket; write the tuned-config JSON",
     "fuzz": "differential fuzzing of every kernel and the layer against the references (hypothesis)",
 }
-
-
-def _add_commands(sub, plain) -> None:
-    """The subcommands in ``moe_ep.commands``: each module has ``add_arguments`` and ``run``."""
-    import importlib
-    for name, help_text in _COMMANDS.items():
-        mod = importlib.import_module(f"moe_ep.commands.{name}")
-        p = sub.add_parser(name, help=help_text, description=plain(mod.__doc__),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
 
 
 if __name__ == "__main__":

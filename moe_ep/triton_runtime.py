@@ -1,8 +1,8 @@
 """How moe-ep runs its Triton kernels: compiled on a GPU, through Triton's interpreter without one.
 
-Importing ``moe_ep`` imports this module first. Without CUDA it sets ``TRITON_INTERPRET=1`` (before
-triton is imported, since ``@triton.jit`` reads it at decoration time) and patches the interpreter's
-known traps in Triton 3.6-3.9, so the same kernel code gives the GPU's answers on a CPU:
+Every module that runs a kernel imports this one first. Without CUDA, ``TRITON_INTERPRET=1`` is set before
+triton is imported (:mod:`moe_ep.kernel_mode`; ``@triton.jit`` reads it at decoration time), and this module
+patches the interpreter's known traps in Triton 3.6-3.9, so the same kernel code gives the GPU's answers on a CPU:
 
 * bf16 ``tl.dot`` and bf16 add/multiply/compare work on the raw uint16 bits (triton issue #11584):
   bf16 operands are upcast to fp32 first, and arithmetic results rounded back to bf16 (RNE). fp8 ``tl.dot``
@@ -22,27 +22,16 @@ compiled GPU path: the patches are applied only when the interpreter is on.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-import warnings
 
 import torch
 
 from .errors import fail
+from .kernel_mode import decide
 
 _CUDA = torch.cuda.is_available()
 
-if not _CUDA and "TRITON_INTERPRET" not in os.environ:
-    if "triton" in sys.modules:
-        warnings.warn(
-            "moe_ep: no CUDA device and triton was imported before moe_ep; kernels need "
-            "TRITON_INTERPRET=1 set before triton is imported to run on the CPU",
-            stacklevel=2,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
-
-INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRETER: bool = decide()
 """True when kernels run through Triton's interpreter (no GPU, or asked for)."""
 
 import numpy as np  # noqa: E402
@@ -172,6 +161,7 @@ def _patch_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
     interp._patch_lang_tensor = patch_lang_tensor
+    _patch_lang_once_per_launch(interp)
 
     builder.binary_op = binary_op
     builder.cast_impl = cast_impl
@@ -187,6 +177,45 @@ def _patch_interpreter() -> None:
 
     # a property, so an autotuner built before or after this sees it; the real one asks the driver
     Autotuner.do_bench = property(lambda self: wall_clock_bench)
+
+
+def _patch_lang_once_per_launch(interp) -> None:
+    """A launch patches triton.language (every builtin, found by ``inspect.getmembers``) for its duration, and
+    then every call of a ``@triton.jit`` helper inside it patches the same modules again, unrestored, with the
+    same values: most of an interpreted kernel's time when its helpers are small. A helper's call skips that
+    when the launch in progress, or a helper within it, has patched every language module the helper sees. (Nothing to do where the
+    interpreter has no such functions.)"""
+    grid_executor = getattr(interp, "GridExecutor", None)
+    orig_patch_lang = getattr(interp, "_patch_lang", None)
+    if grid_executor is None or orig_patch_lang is None or not hasattr(interp, "_LangPatchScope"):
+        return
+    orig_run = grid_executor.__call__
+    launches = []  # per launch in progress: the language modules it patched (None before it has)
+    lang_modules = {}  # jit function -> the triton.language modules among its globals
+
+    def modules_of(fn):
+        if fn not in lang_modules:
+            lang_modules[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return lang_modules[fn]
+
+    def patch_lang(fn):
+        langs = modules_of(fn)
+        if launches and launches[-1] is not None and langs <= launches[-1]:
+            return interp._LangPatchScope()  # nothing to restore
+        scope = orig_patch_lang(fn)
+        if launches:  # (a helper's patch is not restored at its return: it holds for the rest of the launch)
+            launches[-1] = langs if launches[-1] is None else launches[-1] | langs
+        return scope
+
+    def run(self, *args, **kwargs):
+        launches.append(None)
+        try:
+            return orig_run(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interp._patch_lang = patch_lang
+    grid_executor.__call__ = run
 
 
 if INTERPRETER:

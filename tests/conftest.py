@@ -20,6 +20,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", CI))
 HAS_GPU = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    # the compile checks (tests/test_compile.py) are a build per kernel variant, per target: minutes without a warm
+    # Triton cache. CI runs the suite on two Tritons, each one shard: each builds every variant (for one of the two
+    # targets, alternating), and the two together build every variant for both targets
+    parser.addoption("--compile-shard", choices=["all", "0", "1"], default="all",
+                     help="tests/test_compile.py: build every kernel variant for both targets (all), or one half")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -1,4 +1,5 @@
-"""Helpers for the multi-rank layer tests: spawn R ranks (gloo) that loop over every case inside."""
+"""Helpers for the multi-rank tests: spawn R ranks (gloo) that loop over every case inside: the layer's matrix,
+then the converted HF models (one spawn per R serves both: the ranks' start-up is much of their time)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ def run_cases(rank: int, world: int, group, dev: torch.device, cases=None, routi
     E, H, I, K = CFG["num_experts"], CFG["hidden_size"], CFG["intermediate_size"], CFG["top_k"]
     w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
     w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
-    fails = []
+    fails, dense = [], {}
     for ci, (alg, lay, wf, af) in enumerate(cases or matrix()):
         cfg = EpConfig(**CFG, algorithm=alg, layout=lay, weight_format=wf, activation_format=af)
         layer = MoEEpLayer(cfg, ExpertWeights.from_global(w13, w2, rank, world, wf, device=dev), group=group)
-        d13, d2 = ExpertWeights(w13.to(dev), w2.to(dev), wf).dense()
+        if wf not in dense:  # the reference's operands depend on the format alone (all experts, quantized once)
+            dense[wf] = ExpertWeights(w13.to(dev), w2.to(dev), wf).dense()
+        d13, d2 = dense[wf]
         for ri, kind in enumerate(routings or ROUTINGS):
             try:
                 B, idx = routing(kind, rank, world, seed=ci * 10 + ri)
@@ -92,26 +95,32 @@ def run_cases(rank: int, world: int, group, dev: torch.device, cases=None, routi
     return fails
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool):
+def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool, with_hf: bool):
     import torch.distributed as dist
 
     import moe_ep  # noqa: F401  (interpreter setup before triton)
+    torch.set_num_threads(1)  # tiny tensors, and R ranks share the cores
     dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         fails = run_cases(rank, world, None, dev)
+        in_step = not any("Traceback" in f for f in fails)  # a rank that raised left the collectives out of step
+        if with_hf and in_step:  # the converted HF models on the same ranks (tests/test_hf.py): one spawn for both
+            from test_hf import rank_cases
+            fails += rank_cases(rank, world)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join(fails))
 
 
-def spawn_and_check(world: int, use_cuda: bool = False) -> list[str]:
-    """Spawn ``world`` gloo ranks running :func:`run_cases`; return all ranks' failures."""
+def spawn_and_check(world: int, use_cuda: bool = False, with_hf: bool = False) -> list[str]:
+    """Spawn ``world`` gloo ranks running :func:`run_cases` (then, ``with_hf``, tests/test_hf.py's
+    ``rank_cases``); return all ranks' failures."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "store"), d, use_cuda), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, os.path.join(d, "store"), d, use_cuda, with_hf), nprocs=world, join=True)
         fails = []
         for r in range(world):
             txt = open(os.path.join(d, f"rank{r}.txt")).read()

@@ -1,6 +1,7 @@
 """The ``moe-ep`` subcommands at tiny sizes (CPU: kernels through the interpreter): exit codes, output files,
 tuned configs loaded by the kernels, fuzz failing loudly on a planted mismatch."""
 
+import argparse
 import json
 import os
 import shutil
@@ -161,6 +162,7 @@ def test_fuzz_passes_on_the_real_kernels(tmp_path, monkeypatch):
         assert options.current() == before and options.current().autotune
 
 
+@pytest.mark.one_triton
 def test_fuzz_jobs_runs_targets_in_parallel_processes(tmp_path, capsys):
     assert main(["fuzz", "--targets", "quantize,route,permute", "--examples", "3", "--jobs", "2",
                  "--database", str(tmp_path / "db")]) == 0
@@ -178,6 +180,7 @@ def test_fuzz_shard_plan_splits_targets_and_their_examples():
     assert shard_plan(["a"], 2, None) == [("a", 0, None), ("a", 1, None)]
 
 
+@pytest.mark.one_triton
 def test_fuzz_jobs_shards_one_target_and_sums_its_examples(tmp_path, capsys):
     assert main(["fuzz", "--targets", "route", "--examples", "5", "--jobs", "2",
                  "--database", str(tmp_path / "db")]) == 0
@@ -187,6 +190,7 @@ def test_fuzz_jobs_shards_one_target_and_sums_its_examples(tmp_path, capsys):
     assert table.count("route") == 1 and " 5 " in table.split("route")[1].splitlines()[0]
 
 
+@pytest.mark.one_triton
 def test_fuzz_jobs_reports_a_child_that_died(tmp_path, monkeypatch, capsys):
     from moe_ep.commands import fuzz
     monkeypatch.setattr(fuzz, "_child_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
@@ -222,6 +226,7 @@ def test_fuzz_planted_mismatch_exits_nonzero_with_a_reproduction(tmp_path, monke
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(
     sys.executable), "torchrun")), reason="torchrun not installed")
+@pytest.mark.one_triton
 def test_bench_under_torchrun_two_ranks(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     p = subprocess.run([torchrun if os.path.exists(torchrun) else "torchrun", "--nproc-per-node", "2",
@@ -502,3 +507,46 @@ def test_demo_ranks_build_the_layer_in_the_formats(monkeypatch, tmp_path):
         cli._demo_worker(0, 1, str(tmp_path / "store"), args, None)
     [(cfg, fmt)] = made
     assert (cfg.weight_format.value, cfg.activation_format.value, fmt) == ("fp8", "fp8", "fp8")
+
+
+# `python -m moe_ep.cli ARGS` in a fresh process, then the heavy modules it imported (a JSON line on stderr)
+_IMPORTS_OF = r"""
+import json, runpy, sys
+sys.argv = ["moe-ep", *sys.argv[1:]]
+try:
+    runpy.run_module("moe_ep.cli", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton", "numpy", "hypothesis", "transformers"))
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []])
+def test_help_and_version_import_neither_torch_nor_triton(argv):
+    """``moe-ep --help`` / ``--version`` (and a bare ``moe-ep``, which says what is missing) answer at once: the
+    subcommands' modules, which import torch, are not imported for them."""
+    p = subprocess.run([sys.executable, "-c", _IMPORTS_OF, *argv], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    seen = json.loads(p.stderr.strip().splitlines()[-1])
+    assert seen["heavy"] == [], seen["heavy"]
+    if argv == ["--help"]:
+        assert seen["code"] == 0
+        listed = {ln.split()[0] for ln in p.stdout.splitlines() if ln.startswith("    ") and ln[4] != " "}
+        assert listed == {"demo", "info", "bench", "tune", "fuzz"}, p.stdout
+    elif argv == ["--version"]:
+        assert seen["code"] == 0 and p.stdout.startswith("moe-ep "), p.stdout
+    else:
+        assert seen["code"] == 2 and "COMMAND" in p.stderr, p.stderr
+
+
+def test_a_command_gets_its_options_only_when_asked_for(capsys):
+    """main builds only the asked command's options (the others' modules stay unimported); a command's own
+    --help still lists them."""
+    from moe_ep.cli import build_parser
+    choices = next(a for a in build_parser([])._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(choices) == {"demo", "info", "bench", "tune", "fuzz"}
+    assert all(len(p._actions) == 1 for p in choices.values())  # --help only
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    assert "--presets" in capsys.readouterr().out

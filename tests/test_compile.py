@@ -4,7 +4,9 @@ Runs in a subprocess with the interpreter off, so the kernels are real JIT funct
 ptxas, so ``triton.compile`` builds cubins here. A kernel that would not build on H200 or B200 fails.
 """
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,89 +14,122 @@ import pytest
 
 KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge"]  # moe_ep.testing.compile_checks.TABLES
 
+# One process per target builds everything for it (or its shard: --compile-shard, tests/conftest.py), so the suite imports torch and triton for the builds once per
+# target, not once per kernel module; every check runs even when one fails, and each says how it ended (a JSON line).
 SCRIPT = r"""
+import json
 import sys
+import traceback
+
 import moe_ep  # TRITON_INTERPRET=0 is set, so kernels stay compiled JIT functions
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from moe_ep.kernels.grouped_gemm import config_space
 from moe_ep.testing.compile_checks import TABLES
-checks = TABLES[sys.argv[1]]()
-assert checks, "no compile checks listed"
-cc = int(sys.argv[2])
-for fn, sig, constexprs in checks:
-    k = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", cc, 32))
-    assert k.asm["cubin"], (fn.__name__, cc)
-print(f"{len(checks)} variants compiled for sm_{cc}")
-"""
+
+cc, shard = int(sys.argv[1]), sys.argv[2]
+target = GPUTarget("cuda", cc, 32)
+
+
+# whether this shard builds item i for this target: all, or every other one, the shards' parities swapped between
+# the targets (so each shard builds every item once, and the two shards together build each one for both targets)
+def mine(i):
+    return shard == "all" or (i + (cc == 100)) % 2 == int(shard)
+
+
+def kernel_module(name):
+    checks = TABLES[name]()
+    assert checks, "no compile checks listed"
+    built = 0
+    for i, (fn, sig, constexprs) in enumerate(checks):
+        if mine(i):
+            k = triton.compile(ASTSource(fn, sig, constexprs), target=target)
+            assert k.asm["cubin"], (fn.__name__, cc)
+            built += 1
+    return f"{built} of {len(checks)} variants compiled for sm_{cc}"
+
 
 # Every config of the grouped GEMM's GPU space, built as a launch builds it (16-byte aligned pointers and strides:
-# that is what lets Triton pipeline the loads through shared memory), against config_space.smem_bytes, the estimate the
-# autotune prune drops configs by. Formats and epilogues rotate over the configs; the FP8-only configs are built as FP8.
-SMEM_SCRIPT = r"""
-import sys
-import moe_ep
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from moe_ep.kernels.grouped_gemm import config_space
-from moe_ep.testing.compile_checks import grouped_gemm as grouped_gemm_checks
-cc = int(sys.argv[1])
-kernel, base_sig, base_const = grouped_gemm_checks()[0]
-aligned = ["x_ptr", "xgs_ptr", "xs_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "os_ptr", "rs_ptr", "cnt_ptr", "ready_ptr", "N", "K",
-           "KQ", "K16"]
-worst = 0.0
-fp8_only = {config_space._config_key(c) for c in config_space.fp8_only_configs()}
-for i, c in enumerate(config_space.grouped_gemm_configs()):
-    kw = c.kwargs
-    fp8 = config_space._config_key(c) in fp8_only
-    w_fp4, swiglu = (False, i % 2 == 0) if kw["TMA"] or fp8 else (i % 4 >= 2, i % 2 == 0)
-    sig, const = dict(base_sig), dict(base_const)
-    sig["w_ptr"] = "*u8" if w_fp4 or fp8 else "*bf16"
-    if fp8:
-        sig.update(x_ptr="*u8", ws_ptr="*fp32")
-    const.update(RAGGED=True, W_FP4=w_fp4, SWIGLU=swiglu, HAS_RS=not swiglu, X_DECODED=False, W_DECODED=False,
-                 FP8=fp8, FP8_OUT=False,
-                 EVEN_K=True, PERSISTENT=False, SIGNAL=False, WAIT=False, PDL=False,
-                 **{k: kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA")})
-    for name in ("x_desc", "w_desc"):
-        const.pop(name, None)
-    if kw["TMA"]:
-        sig["x_desc"] = f"tensordesc<bf16[{kw['BLOCK_M']}, {kw['BLOCK_K']}]>"
-        sig["w_desc"] = f"tensordesc<bf16[{kw['BLOCK_N']}, {kw['BLOCK_K']}]>"
-    else:
-        const.update(x_desc=None, w_desc=None)
-    sig.update({name: "constexpr" for name in const})
-    attrs = {(kernel.arg_names.index(a), ): [["tt.divisibility", 16]] for a in aligned}
-    k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", cc, 32),
-                       options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
-    est, real = config_space.smem_bytes(config_space.config_dict(c), swiglu, w_fp4, fp8), k.metadata.shared
-    assert real <= est <= 1.35 * real + config_space.SMEM_SLACK, (kw, c.num_stages, w_fp4, fp8, swiglu, real, est)
-    worst = max(worst, est / real)
-print(f"smem estimate: {i + 1} configs within it, at most {worst:.2f}x the compiled size")
+# that is what lets Triton pipeline the loads through shared memory), against config_space.smem_bytes, the estimate
+# the autotune prune drops configs by. Formats and epilogues rotate over the configs; the FP8-only configs are built
+# as FP8.
+def smem_estimate():
+    kernel, base_sig, base_const = TABLES["grouped_gemm"]()[0]
+    aligned = ["x_ptr", "xgs_ptr", "xs_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "os_ptr", "rs_ptr", "cnt_ptr",
+               "ready_ptr", "N", "K", "KQ", "K16"]
+    fp8_only = {config_space._config_key(c) for c in config_space.fp8_only_configs()}
+    worst = 0.0
+    configs = config_space.grouped_gemm_configs()
+    for i, c in enumerate(configs):
+        if not mine(i):
+            continue
+        kw = c.kwargs
+        fp8 = config_space._config_key(c) in fp8_only
+        w_fp4, swiglu = (False, i % 2 == 0) if kw["TMA"] or fp8 else (i % 4 >= 2, i % 2 == 0)
+        sig, const = dict(base_sig), dict(base_const)
+        sig["w_ptr"] = "*u8" if w_fp4 or fp8 else "*bf16"
+        if fp8:
+            sig.update(x_ptr="*u8", ws_ptr="*fp32")
+        const.update(RAGGED=True, W_FP4=w_fp4, SWIGLU=swiglu, HAS_RS=not swiglu, X_DECODED=False, W_DECODED=False,
+                     FP8=fp8, FP8_OUT=False, EVEN_K=True, PERSISTENT=False, SIGNAL=False, WAIT=False, PDL=False,
+                     **{k: kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA")})
+        for name in ("x_desc", "w_desc"):
+            const.pop(name, None)
+        if kw["TMA"]:
+            sig["x_desc"] = f"tensordesc<bf16[{kw['BLOCK_M']}, {kw['BLOCK_K']}]>"
+            sig["w_desc"] = f"tensordesc<bf16[{kw['BLOCK_N']}, {kw['BLOCK_K']}]>"
+        else:
+            const.update(x_desc=None, w_desc=None)
+        sig.update({name: "constexpr" for name in const})
+        attrs = {(kernel.arg_names.index(a), ): [["tt.divisibility", 16]] for a in aligned}
+        k = triton.compile(ASTSource(kernel, sig, const, attrs), target=target,
+                           options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
+        est, real = config_space.smem_bytes(config_space.config_dict(c), swiglu, w_fp4, fp8), k.metadata.shared
+        assert real <= est <= 1.35 * real + config_space.SMEM_SLACK, (kw, c.num_stages, w_fp4, fp8, swiglu, real, est)
+        worst = max(worst, est / real)
+    built = sum(map(mine, range(len(configs))))
+    return f"smem estimate: {built} of {len(configs)} configs within it, at most {worst:.2f}x the compiled size"
+
+
+results = {}
+for name, check in [*((m, lambda m=m: kernel_module(m)) for m in TABLES), ("smem", smem_estimate)]:
+    try:
+        results[name] = {"ok": True, "said": check()}
+    except Exception:
+        results[name] = {"ok": False, "said": traceback.format_exc()}
+print(json.dumps(results))
 """
 
 
-def _run(script, *argv):
+def _build_everything_for(cc: int, shard: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=1200)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(cc), shard], env=env, capture_output=True, text=True,
+                       timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("cc", [90, 100], ids=["sm_90", "sm_100"])
-@pytest.mark.parametrize("module", KERNEL_MODULES)
-def test_kernels_compile_for_sm90_and_sm100(module, cc):
-    assert "compiled" in _run(SCRIPT, module, str(cc))
-
-
-@pytest.mark.parametrize("cc", [90, 100], ids=["sm_90", "sm_100"])
-def test_smem_estimate_bounds_every_config_of_the_space(cc):
-    """config_space.smem_bytes is at least what each config's build takes (so a pruned list only holds configs that fit)
-    and not far above it (so the prune does not drop configs that would fit)."""
-    assert "within it" in _run(SMEM_SCRIPT, str(cc))
+def test_kernels_compile_for_sm90_and_sm100_within_the_smem_estimate(cc, request):
+    """Every variant of every kernel module builds a cubin for the target. And config_space.smem_bytes is at
+    least what each config of the grouped GEMM's space takes there (so a pruned list only holds configs that
+    fit) and not far above it (so the prune does not drop configs that would fit). ``--compile-shard 0`` / ``1``
+    (CI: one per Triton) build every other variant and config for each target, the two shards all of them."""
+    shard = request.config.getoption("compile_shard")
+    results = _build_everything_for(cc, shard)
+    assert set(results) == {*KERNEL_MODULES, "smem"}, sorted(results)
+    failed = {name: r["said"] for name, r in results.items() if not r["ok"]}
+    assert not failed, "\n".join(f"{name} for sm_{cc}:\n{said}" for name, said in failed.items())
+    assert all("compiled" in results[m]["said"] for m in KERNEL_MODULES), results
+    assert "within it" in results["smem"]["said"], results["smem"]
+    for name, r in results.items():  # what was built is the shard: all, or every other one
+        built, listed = map(int, re.search(r"(\d+) of (\d+)", r["said"]).groups())
+        want = listed if shard == "all" else sum((i + (cc == 100)) % 2 == int(shard) for i in range(listed))
+        assert built == want and listed, (name, shard, r["said"])
 
 
 def test_no_kernel_module_holds_a_nan_global():

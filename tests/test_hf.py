@@ -1,6 +1,6 @@
 """moe_ep.hf.convert on tiny random transformers models (Qwen3-MoE, Mixtral, DeepSeek-V3; no download): the
 converted model's logits and greedy tokens against the unconverted model at world size 1 (fused_moe) and on
-2 and 4 gloo ranks (MoEEpLayer); the converted router against what the original block hands its experts;
+2 and 4 gloo ranks (MoEEpLayer: :func:`rank_cases`, run in tests/test_layer_multirank.py's spawn); the converted router against what the original block hands its experts;
 the named errors."""
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ import copy
 import os
 import subprocess
 import sys
-import tempfile
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -313,9 +311,12 @@ def test_import_moe_ep_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
-# (b) 2 and 4 gloo ranks: MoEEpLayer -----------------------------------------------------------------------------
+# (b) 2 and 4 gloo ranks: MoEEpLayer (spawned by tests/test_layer_multirank.py::test_multi_rank_gloo) ----------
 
-def _rank_cases(rank: int, world: int) -> list[str]:
+def rank_cases(rank: int, world: int) -> list[str]:
+    """This rank's part of the multi-rank checks, in a process group of ``world`` ranks: every family converted
+    with this rank's shard, its logits and greedy tokens against the unconverted model. Run by the ranks that
+    tests/test_layer_multirank.py spawns (one spawn per world size for the layer and these)."""
     fails = []
     for family in FAMILIES:
         try:
@@ -341,30 +342,3 @@ def _rank_cases(rank: int, world: int) -> list[str]:
         except Exception:  # the ranks' collectives are out of step now: stop here
             return fails + [f"R={world} rank={rank} {family}:\n" + traceback.format_exc()]
     return fails
-
-
-def _worker(rank: int, world: int, store_path: str, out_dir: str):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
-        fails = _rank_cases(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(fails))
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_multi_rank_gloo(world):
-    if torch.cuda.is_available():
-        pytest.skip("CPU ranks (gloo); on a GPU the world-size-1 tests run on the device")
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "store"), d), nprocs=world, join=True)
-        fails = []
-        for r in range(world):
-            with open(os.path.join(d, f"rank{r}.txt")) as f:
-                fails += [line for line in f.read().split("\n") if line]
-    assert not fails, "\n".join(fails)

@@ -1,5 +1,8 @@
 """The EP layer on R in {1, 2, 4} ranks (gloo, CPU) against the dense single-process MoE, every
-algorithm/layout x weight format (+ NVFP4 activations), adversarial routings. One spawn per R."""
+algorithm/layout x weight format (+ NVFP4 activations), adversarial routings. One spawn per R, which also runs
+tests/test_hf.py's multi-rank checks."""
+
+import importlib.util
 
 import pytest
 import torch
@@ -13,11 +16,14 @@ def test_world_1_no_process_group():
     assert not fails, "\n".join(fails)
 
 
+@pytest.mark.one_triton
 @pytest.mark.parametrize("world", [2, 4])
 def test_multi_rank_gloo(world):
+    """The layer's matrix, then tests/test_hf.py's converted models (logits and greedy tokens against the
+    unconverted model, each rank's shard), on the same spawned ranks."""
     if torch.cuda.is_available():
         pytest.skip("CPU ranks: the GPU variant is test_gpu_layer.py")
-    fails = spawn_and_check(world)
+    fails = spawn_and_check(world, with_hf=importlib.util.find_spec("transformers") is not None)
     assert not fails, "\n".join(fails)
 
 

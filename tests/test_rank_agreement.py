@@ -16,6 +16,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+pytestmark = pytest.mark.one_triton  # gloo ranks and timeouts: the same on every Triton (pyproject.toml)
+
 E, K, H, I, T = 8, 2, 32, 32, 4
 PG_TIMEOUT = 90        # the group's own timeout: what a peer would wait without the protocol
 LAYER_TIMEOUT = 3      # MoEEpLayer(timeout=...) in the scenarios

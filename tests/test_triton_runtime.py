@@ -3,12 +3,19 @@
 On a GPU the same kernels run compiled, so these tests also hold the compiled path to the same answers.
 """
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-import moe_ep  # noqa: F401  (sets TRITON_INTERPRET and patches the interpreter before the kernel below is built)
+from moe_ep import triton_runtime  # noqa: F401  (patches the interpreter before the kernel below runs)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @triton.jit
@@ -31,3 +38,47 @@ def test_scalar_comparison_splat_into_a_mask(dev, n, limit):
     if limit > 0:
         want[:n] = torch.arange(n, dtype=torch.float32) + 1.0
     assert torch.equal(dst.cpu(), want)
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_moe_ep_is_lazy_and_still_decides_before_triton_is_imported():
+    """``import moe_ep`` imports neither torch nor triton; the caller's ``import triton`` after it finds
+    TRITON_INTERPRET decided (1 without CUDA), so the caller's own kernels are built for the right mode; every
+    public name and a submodule named as an attribute resolve on first use."""
+    p = _fresh_python(textwrap.dedent("""
+        import os, sys
+        import moe_ep
+        assert not {"torch", "triton"} & set(sys.modules), sorted(m for m in sys.modules if "torch" in m)
+        import triton
+        import torch
+        want = None if torch.cuda.is_available() else "1"
+        assert os.environ.get("TRITON_INTERPRET") == want, os.environ.get("TRITON_INTERPRET")
+        from triton.runtime.interpreter import InterpretedFunction
+        @triton.jit
+        def k(x):
+            pass
+        assert isinstance(k, InterpretedFunction) == (want == "1"), type(k)
+        ns = {}
+        exec("from moe_ep import *", ns)
+        assert set(moe_ep.__all__) <= set(ns) and set(moe_ep.__all__) <= set(dir(moe_ep))
+        assert ns["MoEEpLayer"].__module__ == "moe_ep.layer" and moe_ep.options.reload
+        try:
+            moe_ep.no_such_name
+        except AttributeError as e:
+            assert "no_such_name" in str(e)
+        else:
+            raise AssertionError("moe_ep.no_such_name resolved")
+        print("ok")
+    """))
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only decided for without CUDA")
+def test_triton_imported_before_moe_ep_is_warned_about():
+    p = _fresh_python("import triton, moe_ep, warnings\nwarnings.simplefilter('always')\nmoe_ep.fused_moe")
+    assert p.returncode == 0 and "triton was imported before moe_ep" in p.stderr, p.stderr
