@@ -367,12 +367,14 @@ def two_ranks():
         return [open(os.path.join(d, f"rank{r}.txt")).read().split("\n") for r in range(2)]
 
 
+@pytest.mark.one_triton  # spawned ranks: gloo and process plumbing, which Triton does not touch
 def test_two_ranks_carry_quantize_fp8_of_the_bf16_rows(two_ranks):
     for r, lines in enumerate(two_ranks):
         fails = [ln for ln in lines if not ln.startswith("agreement: ")]
         assert not fails, f"rank {r}:\n" + "\n".join(fails)
 
 
+@pytest.mark.one_triton  # spawned ranks: gloo and process plumbing, which Triton does not touch
 def test_two_ranks_disagreeing_on_the_format_both_fail_naming_it(two_ranks):
     for lines in two_ranks:
         [agreement] = [ln for ln in lines if ln.startswith("agreement: ")]
