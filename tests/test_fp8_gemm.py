@@ -406,3 +406,22 @@ def test_layer_with_fp8_weights(dev, alg, lay):
     # they arrive; quantizing is per token, so the bits are those of quantizing after dispatch
     cfg8 = EpConfig(4, 2, 160, 144, 6, alg, lay, weight_format="fp8", activation_format="fp8")
     assert torch.equal(MoEEpLayer(cfg8, weights)(x.to(dev), idx.to(dev), wts.to(dev)), out)
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_fp8_prefill_prune_keeps_both_accumulators_in_registers(monkeypatch, quick):
+    """The GPU space pruned for the benchmark models' FP8 prefill GEMMs (GEMM1 with SwiGLU and FP8 output, GEMM2)
+    keeps only configs whose sum and promoted K-step product fit the register budget (fp8_registers_ok; past it
+    ptxas spills them: tests/test_compile.py), and one is always left (GEMM1's 64 x 128 over two warpgroups)."""
+    monkeypatch.setattr(config_space, "INTERPRETER", False)  # the GPU space and its rules, on any machine
+    space = config_space.grouped_gemm_configs()
+    with options.override(autotune_quick=quick):
+        for n, k, swiglu, g in ((2048, 7168, True, 32), (7168, 2048, False, 32), (14336, 4096, True, 8),
+                                (4096, 14336, False, 8)):
+            for m in (128, 512, 1024):
+                kept = config_space.prune_grouped_gemm_configs(space, {"M_BUCKET": m, "N": n, "K": k, "G": g},
+                                                               SWIGLU=swiglu, FP8=True, FP8_OUT=swiglu)
+                assert kept and all(config_space.fp8_registers_ok(config_space.config_dict(c), swiglu)
+                                    for c in kept), (n, k, m, [config_space.config_dict(c) for c in kept])
+                if swiglu and m >= 512:
+                    assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept} == {(64, 128, 8)}

@@ -158,5 +158,50 @@ def _fp8_gemms():
     return checks
 
 
+FP8_ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "os_ptr", "rs_ptr", "cnt_ptr", "N", "K")
+
+
+def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
+    """(registers per thread, spill store bytes, spill load bytes) ptxas reports for an unswapped FP8 grouped-GEMM
+    config (a ``triton.Config``) built for sm_90a as a launch builds it (aligned pointers, the config's warps and
+    stages), as GEMM1 (swiglu: SwiGLU with an FP8 output) or GEMM2 (row scale). Needs the interpreter off."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.backends.nvidia as nvidia_backend
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, sig, const = next((k, s, c) for k, s, c in _fp8_gemms()
+                              if c["RAGGED"] and c["SWIGLU"] == swiglu and c["FP8_OUT"] == swiglu and not c["SWAP_AB"])
+    const = dict(const, **{k: cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")},
+                 EVEN_K=True, PERSISTENT=False)
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in FP8_ALIGNED}
+    k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ptxas = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(k.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", os.path.join(d, "k.ptx"), "-o",
+                            os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True)
+    log = r.stdout + r.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return regs, stores, loads
+
+
+def fp8_prefill_configs(swiglu: bool) -> list:
+    """The GPU space's unswapped pointer-load configs an FP8 GEMM1 (swiglu, FP8 output) or GEMM2 may take by the FP8
+    rules and the SwiGLU tile bound, before the register rule (``config_space.fp8_registers_ok``)."""
+    from ..kernels.grouped_gemm import config_space
+    return [c for c in config_space.grouped_gemm_configs()
+            if not (c.kwargs["SWAP_AB"] or c.kwargs["TMA"] or config_space.fp8_rule_broken(c.kwargs, swiglu))
+            and not (swiglu and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 128)]
+
+
 TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm}
 """Kernel module -> its variants."""

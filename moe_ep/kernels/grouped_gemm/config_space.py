@@ -48,6 +48,22 @@ def fp8_rule_broken(cfg: dict, fp8_out: bool) -> str | None:
     return None
 
 
+FP8_ACC_REGISTERS = 128  # most fp32 registers per thread an FP8 config's two accumulators may take (see below)
+
+
+def fp8_accumulator_registers(cfg: dict, swiglu: bool) -> int:
+    """fp32 registers per thread of an FP8 tile's accumulators: the running sum and the K step's product it is
+    promoted from (both ``BLOCK_M x R``, R = 2 * BLOCK_N with SwiGLU's interleaved gate and up rows)."""
+    rows = (2 if swiglu else 1) * cfg["BLOCK_N"]
+    return 2 * cfg["BLOCK_M"] * rows // (32 * cfg["num_warps"])
+
+
+def fp8_registers_ok(cfg: dict, swiglu: bool) -> bool:
+    """Whether an FP8 config's accumulators leave ptxas room (255 registers a thread) for the pipeline's addresses,
+    scales and epilogue: past :data:`FP8_ACC_REGISTERS` they spill (benchmarks/fp8_registers.py prints them)."""
+    return fp8_accumulator_registers(cfg, swiglu) <= FP8_ACC_REGISTERS
+
+
 def decoded_min_m() -> float:
     """Tokens per expert from which NVFP4 weights are decoded into bf16 copies before multiplying (the
     ``decoded_min_m`` option; inf when off, for a tight memory budget: the copies are as large as bf16 weights).
@@ -142,6 +158,9 @@ def fp8_only_configs() -> list[triton.Config]:
     space += [_gemm(64, 128, 128, True, 4, 4)]  # 33-128 tokens, FP8 out
     for bm, bn, stages, warps in ((64, 128, 4, 4), (128, 128, 4, 8), (128, 128, 5, 8), (128, 256, 3, 8)):  # prefill
         space.append(_gemm(bm, bn, 128, False, stages, warps))
+    # prefill within fp8_registers_ok: GEMM1's 64 x (gate + up 256) over two warpgroups; GEMM2's 64 x 256 last, so
+    # that the bounded search (--quick: the first two and the last) times it
+    space += [_gemm(64, 128, 128, False, stages, 8) for stages in (4, 5)] + [_gemm(64, 256, 128, False, 4, 8)]
     return space
 
 
@@ -192,6 +211,8 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         right_kind.append(c)
         if swiglu and not kw["SWAP_AB"] and kw["BLOCK_M"] * kw["BLOCK_N"] > 128 * 128 and not INTERPRETER:
             continue  # gate and up accumulators: twice the registers
+        if fp8 and not fp8_registers_ok(config_dict(c), swiglu):
+            continue  # the promoted K step's product: a second accumulator, and ptxas spills both
         too_wide = kw["BLOCK_N"] > max(host_math.next_power_of_2(n), 16) or kw["BLOCK_K"] > max(
             host_math.next_power_of_2(k), 32)
         if too_wide and not INTERPRETER:
