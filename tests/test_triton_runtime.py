@@ -6,6 +6,7 @@ On a GPU the same kernels run compiled, so these tests also hold the compiled pa
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -41,9 +42,14 @@ def test_scalar_comparison_splat_into_a_mask(dev, n, limit):
 
 
 def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run as a script file in a fresh process (a compiled ``@triton.jit`` needs its source in a file)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "fresh.py")
+        with open(script, "w") as f:
+            f.write(code)
+        return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_import_moe_ep_is_lazy_and_still_decides_before_triton_is_imported():
