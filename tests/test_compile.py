@@ -103,14 +103,18 @@ print(json.dumps(results))
 """
 
 
-def _build_everything_for(cc: int, shard: str) -> dict:
+def _run(script: str, *argv: str) -> str:
+    """``script`` in a fresh process with the interpreter off (real JIT functions); its stdout."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(cc), shard], env=env, capture_output=True, text=True,
-                       timeout=1200)
+    r = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return r.stdout
+
+
+def _build_everything_for(cc: int, shard: str) -> dict:
+    return json.loads(_run(SCRIPT, str(cc), shard).strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("cc", [90, 100], ids=["sm_90", "sm_100"])
