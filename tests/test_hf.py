@@ -122,19 +122,25 @@ def test_fp8_weights_convert_and_run(dev):
     ref = copy.deepcopy(model)
     names = convert(model, weight_format="fp8")
     assert names and all(model.get_submodule(n).config.weight_format.value == "fp8" for n in names)
+    err = logits_err_against_dequantized(model, ref, names, dev)
+    assert err <= 0.1, f"logits rel err {err:.4f}"
+
+
+def logits_err_against_dequantized(model, ref, names, dev) -> float:
+    """The converted model's logits against ``ref`` (the unconverted copy) given the very weights moe-ep computes
+    with (each block's quantized experts dequantized, written into ref's fused experts)."""
     for name in names:
         experts = ref.get_submodule(name).experts
         if isinstance(experts, torch.nn.ModuleList):
             pytest.skip("transformers 4.x experts: the dequantized weights are written back to fused ones only")
         w13, w2 = model.get_submodule(name).weights.dense()
+        assert not torch.equal(w13.to(experts.gate_up_proj.dtype), experts.gate_up_proj)  # quantized: they moved
         with torch.no_grad():
             experts.gate_up_proj.copy_(w13)
             experts.down_proj.copy_(w2)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1)).to(dev)
     with torch.no_grad():
-        err = rel_err(model(ids).logits, ref(ids).logits)
-    print(f"fp8 logits rel err {err:.4f}")
-    assert err <= 0.1, f"logits rel err {err:.4f}"
+        return rel_err(model(ids).logits, ref(ids).logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -187,18 +193,7 @@ def test_nvfp4_weights_match_the_model_holding_their_dequantized_values(family, 
     model = tiny_model(family, 0, dev)
     ref = copy.deepcopy(model)
     names = convert(model, weight_format="nvfp4")
-    for name in names:
-        experts = ref.get_submodule(name).experts
-        if isinstance(experts, torch.nn.ModuleList):
-            pytest.skip("transformers 4.x experts: the dequantized weights are written back to fused ones only")
-        w13, w2 = model.get_submodule(name).weights.dense()
-        assert not torch.equal(w13.to(experts.gate_up_proj.dtype), experts.gate_up_proj)  # quantized: they moved
-        with torch.no_grad():
-            experts.gate_up_proj.copy_(w13)
-            experts.down_proj.copy_(w2)
-    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1)).to(dev)
-    with torch.no_grad():
-        err = rel_err(model(ids).logits, ref(ids).logits)
+    err = logits_err_against_dequantized(model, ref, names, dev)
     assert err <= LOGITS_BOUND, f"{family}: logits rel err {err:.4f}"
 
 
