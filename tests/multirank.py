@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 
 from moe_ep.config import SUPPORTED_LAYOUTS
+from moe_ep.testing.properties import FP8_DENSE_TOL
 
 CFG = dict(num_experts=8, top_k=2, hidden_size=32, intermediate_size=32, max_tokens_per_rank=4)
 LAYOUTS = [(a.value, lay.value) for a, lay in SUPPORTED_LAYOUTS]
@@ -19,10 +20,13 @@ ROUTINGS = ["random", "one_expert", "one_rank", "zero_tokens", "all_minus1", "fu
 
 def matrix():
     """(algorithm, layout, weight format, activation format): every layout x weight format, plus NVFP4
-    activations for one layout per algorithm."""
+    activations for one layout per algorithm; FP8 (W8A8) in every layout, its tokens quantized before dispatch
+    (FP8 activations) or after it (bf16 activations)."""
     cases = [(a, l, wf, "bf16") for a, l in LAYOUTS for wf in ("bf16", "nvfp4")]
+    fp8 = [("ll", "expert_major", "fp8", "fp8"), ("ll", "rank_major", "fp8", "bf16"), ("ht", "flat", "fp8", "fp8"),
+           ("ht", "expert_major", "fp8", "fp8")]
     return cases + [("ll", "rank_major", "nvfp4", "nvfp4"), ("ht", "expert_major", "bf16", "nvfp4"),
-                    ("ll", "expert_major", "bf16", "nvfp4")]
+                    ("ll", "expert_major", "bf16", "nvfp4")] + fp8
 
 
 def routing(kind: str, rank: int, world: int, seed: int):
@@ -50,7 +54,8 @@ def routing(kind: str, rank: int, world: int, seed: int):
 # relative error bound per (weight format, activation format) against the dense reference, which uses the
 # weights' own dequantization (so NVFP4 weights add no error of their own: only the bf16 arithmetic differs,
 # ~4e-3 per GEMM); NVFP4 activations are quantized to e2m1 on the way into both GEMMs
-BOUNDS = {("bf16", "bf16"): 1.5e-2, ("nvfp4", "bf16"): 1.5e-2, ("bf16", "nvfp4"): 0.3, ("nvfp4", "nvfp4"): 0.3}
+BOUNDS = {("bf16", "bf16"): 1.5e-2, ("nvfp4", "bf16"): 1.5e-2, ("bf16", "nvfp4"): 0.3, ("nvfp4", "nvfp4"): 0.3,
+          ("fp8", "bf16"): FP8_DENSE_TOL, ("fp8", "fp8"): FP8_DENSE_TOL}  # FP8: tokens and intermediate in e4m3
 
 
 def bound(wf: str, af: str) -> float:
