@@ -171,7 +171,7 @@ def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
     import tempfile
 
     import triton
-    import triton.backends.nvidia as nvidia_backend
+    import triton.backends.nvidia.compiler as nvidia_compiler
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -182,7 +182,7 @@ def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in FP8_ALIGNED}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    ptxas = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "ptxas")
+    ptxas = nvidia_compiler.get_ptxas(90).path  # the ptxas Triton builds sm_90 with (3.9: not bin/ptxas)
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.ptx"), "w") as f:
             f.write(k.asm["ptx"])
