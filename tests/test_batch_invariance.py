@@ -29,13 +29,15 @@ def test_every_layout_is_batch_invariant(dev, layout, wf, static):
     P.check_layer_batch_invariance(case, dev)
 
 
-def test_nan_and_inf_tokens_stay_apart_when_unvalidated(dev):
-    """validate=False: a NaN and an Inf token come out NaN; every other token equals its output alone."""
+@pytest.mark.parametrize("wf, af", [("bf16", "nvfp4"), ("fp8", "bf16"), ("fp8", "fp8")])
+def test_nan_and_inf_tokens_stay_apart_when_unvalidated(dev, wf, af):
+    """validate=False: a NaN and an Inf token come out NaN; every other token equals its output alone (FP8: the
+    tokens are quantized per token too, before dispatch or after it)."""
     E, K, H, I = 4, 2, 64, 32
     g = torch.Generator().manual_seed(3)
-    cfg = EpConfig(E, K, H, I, 4, "ht", "flat", activation_format="nvfp4")
+    cfg = EpConfig(E, K, H, I, 4, "ht", "flat", weight_format=wf, activation_format=af)
     layer = MoEEpLayer(cfg, ExpertWeights(torch.randn(E, 2 * I, H, generator=g).to(dev) / 8,
-                                          torch.randn(E, H, I, generator=g).to(dev) / 6), validate=False)
+                                          torch.randn(E, H, I, generator=g).to(dev) / 6, wf), validate=False)
     x = torch.randn(4, H, generator=g).bfloat16()
     x[1, 3], x[2, 9] = float("nan"), float("-inf")
     idx, w = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), torch.rand(4, K, generator=g)
