@@ -163,8 +163,10 @@ class MoEEpLayer(torch.nn.Module):
               ", ".join(repr(t) for t in TRANSPORTS), MoEEpConfigError)
         self.timeout = _timeout(timeout)
         self.config, self.weights, self.group, self.validate = config, weights, group, validate
-        # validate checks tokens finite too where dispatch quantizes them (a NaN block has no FP8 / NVFP4 codes)
-        self._finite_tokens = config.activation_format in (Format.NVFP4, Format.FP8)
+        # validate checks tokens finite too where they are quantized, before dispatch or after it (FP8 weights): a NaN
+        # block has no FP8 / NVFP4 codes (as fused_moe)
+        self._finite_tokens = (config.activation_format in (Format.NVFP4, Format.FP8)
+                               or config.weight_format is Format.FP8)
         self.rank, self.world_size = _rank_world(group)
         self._busy = threading.Lock()  # one forward at a time (MoEEpConcurrentUseError)
         self._graphs = None
@@ -238,14 +240,14 @@ class MoEEpLayer(torch.nn.Module):
         global expert ids, -1 = no expert; ``topk_weights [B, K]`` float32/bfloat16/float16. Shapes, dtypes,
         devices and ``requires_grad`` (inference only: a tensor that needs a gradient is refused) are always
         checked (:class:`MoEEpInputError`). ``validate`` (default: the layer's flag, True) also checks id
-        ranges, duplicate ids in a row, finite weights and, with NVFP4 or FP8 activations, finite hidden states,
-        which costs a host sync; it is skipped while a
-        CUDA graph is being captured. Without it, an id outside ``[0, num_experts)`` (-1 or not, int64 ids of
-        2**31 and more included) is taken as "no expert": it never lands on another expert. Duplicate ids
-        and non-finite weights are then the caller's to avoid (their result is unspecified, never a crash);
-        a token holding NaN or Inf with NVFP4 activations comes out NaN (per-token scales; a static
-        ``activation_global_scale`` gives it unspecified values), and no other token changes; with FP8 activations
-        the 128-channel blocks holding NaN or Inf get unspecified codes and scales (that token only).
+        ranges, duplicate ids in a row, finite weights and, with NVFP4 or FP8 activations or FP8 weights, finite
+        hidden states, which costs a host sync; it is skipped while a CUDA graph is being captured. Without it, an
+        id outside ``[0, num_experts)`` (-1 or not, int64 ids of 2**31 and more included) is taken as "no expert":
+        it never lands on another expert. Duplicate ids and non-finite weights are then the caller's to avoid
+        (their result is unspecified, never a crash); a token holding NaN or Inf with NVFP4 activations comes out
+        NaN (per-token scales; a static ``activation_global_scale`` gives it unspecified values), and no other
+        token changes; with FP8 activations or weights the 128-channel blocks holding NaN or Inf get unspecified
+        codes and scales (that token only).
         """
         if validate is None:
             v = self.validate

@@ -7,6 +7,6 @@ from .nvfp4 import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_
                     quantize_nvfp4, quantize_nvfp4_tokens, swizzle_scales, unswizzle_scales)
 
 __all__ = ["Fp8Tensor", "quantize_fp8", "dequantize_fp8", "NvFp4Tensor", "quantize_nvfp4", "dequantize_nvfp4",
-           "gather_quantize_nvfp4", "nvfp4_global_scale", "nvfp4_row_global_scale", "quantize_nvfp4_tokens", "swizzle_scales", "unswizzle_scales", "grouped_gemm",
-           "expert_mlp", "plan_grouped_gemm", "GemmPlan", "Route", "route_experts", "permute_rows", "scatter_rows",
-           "unpermute_reduce"]
+           "gather_quantize_nvfp4", "nvfp4_global_scale", "nvfp4_row_global_scale", "quantize_nvfp4_tokens",
+           "swizzle_scales", "unswizzle_scales", "grouped_gemm", "expert_mlp", "plan_grouped_gemm", "GemmPlan",
+           "Route", "route_experts", "permute_rows", "scatter_rows", "unpermute_reduce"]
