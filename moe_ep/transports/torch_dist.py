@@ -81,6 +81,8 @@ class TorchDistTransport:
         self._build = {LowLatencyExpertMajor: self._ll_expert_major, LowLatencyRankMajor: self._ll_rank_major,
                        HighThroughputFlat: self._ht_flat, HighThroughputExpertMajor: self._ht_expert_major}[kind]
         self._combine = self._combine_picks if kind.weights_applied_by_combine else self._combine_rows
+        if self._local is not None:
+            self._combine = self._local.combine
         self._rows = {LowLatencyRankMajor: self._rank_major_rows, HighThroughputFlat: self._flat_rows,
                       HighThroughputExpertMajor: self._slot_rows}.get(kind)
 
@@ -301,8 +303,6 @@ class TorchDistTransport:
     # ---- combine --------------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """``[B, H]`` bf16 in the original token order from the compute's output for the last dispatch."""
-        if self._local is not None:
-            return self._local.combine(expert_out)
         return self._combine(expert_out)
 
     def _combine_picks(self, expert_out: torch.Tensor) -> torch.Tensor:
