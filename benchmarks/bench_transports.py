@@ -58,7 +58,8 @@ def raw_step(t):
 
         def step():
             idx = ids if ids.dtype == idx_t else ids.to(idx_t)
-            _, _, h, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+            _, _, h, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=t.fp8, round_scale=False,
+                                                     use_ue8m0=False)
             buf.low_latency_combine(y, idx, w, h, out=out)
         return step
     h = t.handle
@@ -91,7 +92,8 @@ def own_host_us(t, wrapper, iters):
     if t.name == "nixl_ep":
         B, _idx, _w, handle = t._last
         res = t.dispatch(t._x, t._idx_in, t._w_in)
-        returns = {"low_latency_dispatch": (res.tokens, res.expert_counts, handle, None, None),
+        tok = (res.tokens.data, res.tokens.scales) if t.fp8 else res.tokens  # what the library hands back
+        returns = {"low_latency_dispatch": (tok, res.expert_counts, handle, None, None),
                    "low_latency_combine": (t.out[:B], None, None)}
     else:
         returns = {}
@@ -125,9 +127,11 @@ def valid_rows(res, any_pick_order=False):
         return [b"".join(t[i].contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in ts) for i in keep]
     out = {}
     tok = res.tokens
-    if hasattr(tok, "scales"):   # NVFP4: a row is its codes | e4m3 scales | fp32 global scale
+    if hasattr(tok, "global_scale"):   # NVFP4: a row is its codes | e4m3 scales | fp32 global scale
         tok = torch.cat([tok.data, tok.scales.view(torch.uint8),
                          tok.global_scale.float().unsqueeze(-1).contiguous().view(torch.uint8)], -1)
+    elif hasattr(tok, "scales"):   # FP8: a row is its e4m3 codes | fp32 scales per 128 columns
+        tok = torch.cat([tok.data.view(torch.uint8), tok.scales.contiguous().view(torch.uint8)], -1)
     if isinstance(res, LowLatencyExpertMajor):
         for e, n in enumerate(res.expert_counts.tolist()):
             out[e] = sorted(rb(tok[e, :n]))
@@ -147,20 +151,21 @@ def valid_rows(res, any_pick_order=False):
 
 
 def run_case(name, alg, lay, args, rank, world, dev):
+    act = Format.NVFP4 if args.nvfp4 else Format.FP8 if args.fp8 else Format.BF16
     c = EpConfig(num_experts=args.experts, top_k=args.topk, hidden_size=args.hidden, intermediate_size=256,
-                 max_tokens_per_rank=args.tokens, algorithm=alg, layout=lay,
-                 activation_format=Format.NVFP4 if args.nvfp4 else Format.BF16)
+                 max_tokens_per_rank=args.tokens, algorithm=alg, layout=lay, activation_format=act,
+                 weight_format=Format.FP8 if args.fp8 else Format.BF16)  # FP8 activations go with FP8 weights
     g = torch.Generator(device=dev).manual_seed(1000 + rank)
     B = args.tokens
     x = torch.randn(B, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     idx = torch.rand(B, args.experts, device=dev, generator=g).topk(args.topk, -1).indices
     idx[torch.rand(B, args.topk, device=dev, generator=g) < 0.05] = -1
     w = torch.rand(B, args.topk, device=dev, generator=g)
-    row = {"transport": name, "algorithm": alg, "layout": lay, "world": world, "nvfp4": args.nvfp4}
+    row = {"transport": name, "algorithm": alg, "layout": lay, "world": world, "activations": act.value}
     t = make(name, c, None)
     try:
         res = t.dispatch(x, idx, w)
-        if args.nvfp4:   # no toy compute on FP4 rows: the dispatch rows are compared, combine only timed
+        if act is not Format.BF16:   # no toy compute on quantized rows: the dispatch rows are compared, combine timed
             y = torch.zeros(*res.tokens.shape, dtype=torch.bfloat16, device=dev)
             out = t.combine(y).clone()
             row["ok_vs_toy"] = None
@@ -178,7 +183,7 @@ def run_case(name, alg, lay, args, rank, world, dev):
             pres = pt.dispatch(x, idx, w)
             row["dispatch_bitexact_vs_torch"] = mine == valid_rows(pres)
             row["dispatch_equal_up_to_pick_order"] = mine_set == valid_rows(pres, any_pick_order=True)
-            if not args.nvfp4:
+            if act is Format.BF16:
                 pout = pt.combine(toy_compute(pres, c, rank, world))
                 row["combine_bitexact_vs_torch"] = bool(torch.equal(out, pout))
             pt.close()
@@ -215,7 +220,10 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--nvfp4", action="store_true", help="NVFP4 activations (NCCL-EP only)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--nvfp4", action="store_true", help="NVFP4 activations (NCCL-EP only)")
+    fmt.add_argument("--fp8", action="store_true", help="FP8 activations (and weights), DeepSeek-V3's block scales; "
+                     "LL rows are the library's own cast, so they match the portable transport's only in HT")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if "WORLD_SIZE" in os.environ:
