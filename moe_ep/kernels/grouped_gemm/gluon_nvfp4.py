@@ -1,0 +1,248 @@
+"""A Gluon warp-specialized grouped GEMM for Hopper (sm_90a), NVFP4 weights times bf16 x, ragged rows: the decode
+shape class (a few tokens per expert). GPU-only; the ``triton.language`` kernel (``kernels.py``) stays the
+reference path, and this one is not chosen by the dispatcher yet.
+
+``y_g = x_g @ w_g^T`` per expert g, computed as ``acc^T = W_g x_g^T`` so that 64 weight rows fill the wgmma M slot
+and the handful of tokens its N slot (``BLOCK_T`` of 8, 16, 32 or 64). A program owns 64 weight rows of one expert
+and walks that expert's tokens in ``BLOCK_T`` chunks (one chunk at decode), over K in steps of ``BLOCK_K``.
+
+Two partitions share a ``STAGES``-deep ring of shared-memory slots, each guarded by a "ready" and an "empty"
+mbarrier:
+
+- the producer (1 warp) TMA-loads a step's packed codes ``[64, BLOCK_K/2]`` (uint8), their E4M3 scale bytes
+  ``[64, BLOCK_K/16]`` and the x tile ``[BLOCK_T, BLOCK_K]`` (bf16; rows past S read as zeros) into a free slot;
+- the consumer (the default partition: one warpgroup) decodes codes * scales into bf16 (``e2m1 * s`` is exact in bf16:
+  at most 2 significant bits times 4), writes them to the wgmma A buffer in shared memory, frees the slot, runs
+  ``warpgroup_mma`` against x^T (the x slot seen transposed), and at the end of the K loop applies the expert's fp32
+  global scale (``acc / gs``, as the reference divides) and stores the rows of this expert's tokens.
+
+Operands are the user-visible :class:`NvFp4Tensor` as it is (linear scales, no kernel-specific packing). TMA needs
+16-byte row strides, so K must be a multiple of 256 (the scale rows are K/16 bytes), which :func:`check_gluon_nvfp4`
+says with a named error; the same bound makes ``BLOCK_K`` 256 divide K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+from ...errors import check
+from ..nvfp4_tensor import NvFp4Tensor
+
+BLOCK_N = 64  # weight rows per program: the wgmma M of one warpgroup
+BLOCK_K = 256  # K per ring slot (128 code bytes per row: one 128-byte swizzle row)
+K_MULTIPLE = 256  # TMA: the scale rows (K/16 bytes) must be 16-byte multiples
+STAGES = 3
+TOKEN_TILES = (8, 16, 32, 64)  # BLOCK_T choices: wgmma N of 8 .. 64
+
+
+def token_tile(tokens_per_expert: int) -> int:
+    """The BLOCK_T for an expected ``tokens_per_expert``: the smallest of :data:`TOKEN_TILES` holding them (64 past
+    that; an expert with more tokens takes more chunks)."""
+    return next((t for t in TOKEN_TILES if t >= tokens_per_expert), TOKEN_TILES[-1])
+
+
+def shared_layouts(block_t: int) -> dict:
+    """The NVMMA shared layouts of the ring slots and the A buffer (also the compile check's descriptor types)."""
+    return {"codes": gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 2], gl.uint8),
+            "scales": gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 16], gl.uint8),
+            "x": gl.NVMMASharedLayout.get_default_for([block_t, BLOCK_K], gl.bfloat16)}
+
+
+@gluon.jit
+def _expert_rows(offs_ptr, S):
+    """This program's expert's token rows [start, end), offsets clamped to [0, S]."""
+    g = gl.program_id(1)
+    start = gl.minimum(gl.maximum(gl.load(offs_ptr + g), 0), S)
+    end = gl.maximum(gl.minimum(gl.load(offs_ptr + g + 1), S), start)
+    return g, start, end
+
+
+@gluon.jit
+def _producer(q_desc, s_desc, x_desc, offs_ptr, q_ring, s_ring, x_ring, ready, empty, S, N, K,
+              BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
+    """1 warp: fill ring slot i % STAGES with K step i's codes, scales and x tile once the consumer freed it."""
+    BN: gl.constexpr = q_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    g, start, end = _expert_rows(offs_ptr, S)
+    row = g * N + gl.program_id(0) * BN  # row of the [G * N, ...] code and scale views
+    nbytes: gl.constexpr = q_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
+    i = 0
+    for t0 in range(start, end, BLOCK_T):
+        for k0 in range(0, K, BK):
+            slot = i % STAGES
+            # a fresh barrier counts as having completed the phase before phase 0: the first pass does not wait
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row, k0 // 2], bar, q_ring.index(slot))
+            tma.async_copy_global_to_shared(s_desc, [row, k0 // 16], bar, s_ring.index(slot))
+            tma.async_copy_global_to_shared(x_desc, [t0, k0], bar, x_ring.index(slot))
+            i += 1
+
+
+@gluon.jit
+def _fp4_values(code):
+    """E2M1 codes (int16, 4 bits) -> fp32 values: the magnitude bits land in an fp16's exponent LSBs and mantissa
+    MSB (code 1 on an fp16 subnormal), the sign in its sign bit; 2^14 rescales (exact)."""
+    h = ((code & 7) << 9) | ((code & 8) << 12)
+    return h.to(gl.float16, bitcast=True).to(gl.float32) * 16384.0
+
+
+@gluon.jit
+def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, empty, S, N, K,
+              BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
+    """The default warpgroup: decode each slot's codes * scales into the A buffer, free the slot, wgmma against x^T;
+    then scale by 1 / gs and store this expert's rows."""
+    BN: gl.constexpr = a_smem.shape[0]
+    BK: gl.constexpr = a_smem.shape[1]
+    # a thread holds 8 code bytes (16 values: one scale block) of a row, and the matching scale byte
+    code_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BLOCK_T, 16])
+    g, start, end = _expert_rows(offs_ptr, S)
+    n0 = gl.program_id(0) * BN
+    gs = gl.load(gs_ptr + g)
+    # the reference's rows with a global scale that is not positive and finite are NaN
+    inv = gl.where((gs > 0.0) & (gs < float("inf")), 1.0 / gs, float("nan"))
+    rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+    toks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_layout))
+    i = 0
+    for t0 in range(start, end, BLOCK_T):
+        acc = gl.zeros([BN, BLOCK_T], gl.float32, acc_layout)
+        for k0 in range(0, K, BK):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            q = q_ring.index(slot).load(code_layout).to(gl.int16)  # [BN, BK/2]
+            sb = s_ring.index(slot).load(scale_layout)  # [BN, BK/16]
+            s = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            s = gl.join(s, s)
+            s = gl.join(s, s)
+            s = gl.join(s, s)  # [BN, BK/16, 2, 2, 2]: the scale of each code byte of its block
+            s = gl.convert_layout(gl.reshape(s, [BN, BK // 2]), code_layout)
+            lo = (_fp4_values(q & 0xF) * s).to(gl.bfloat16)  # element 2c of byte c
+            hi = (_fp4_values((q >> 4) & 0xF) * s).to(gl.bfloat16)  # element 2c + 1
+            w = gl.reshape(gl.join(lo, hi), [BN, BK])
+            a_smem.store(w)
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's part of A is written before the MMA reads it
+            acc = warpgroup_mma(a_smem, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(slot), count=1)
+            i += 1
+        tok = t0 + toks
+        ptrs = out_ptr + tok[None, :].to(gl.int64) * N + rows[:, None]
+        mask = (tok[None, :] < end) & (rows[:, None] < N)
+        gl.store(ptrs, (acc * inv).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N, K, BLOCK_T: gl.constexpr,
+                        STAGES: gl.constexpr):
+    """Program (n, g): weight rows n * 64 .. of expert g against all of g's tokens (module docstring)."""
+    BN: gl.constexpr = q_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    q_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 2], q_desc.layout)
+    s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], s_desc.layout)
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, BK], x_desc.layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BK], a_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, empty, S, N, K, BLOCK_T,
+                     STAGES)),
+        (_producer, (q_desc, s_desc, x_desc, offs_ptr, q_ring, s_ring, x_ring, ready, empty, S, N, K, BLOCK_T,
+                     STAGES)),
+    ], [1], [24])
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+        mbarrier.invalidate(empty.index(j))
+
+
+def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> None:
+    """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_nvfp4_grouped_gemm` takes."""
+    check(isinstance(w, NvFp4Tensor), "type(w)", type(w).__name__, "an NvFp4Tensor [G, N, K]")
+    w.check("w")
+    check(len(w.shape) == 3, "w.shape", tuple(w.shape), "[G, N, K] (3-D)")
+    G, N, K = w.shape
+    check(not w.swizzled, "w.swizzled", w.swizzled, "False (linear scales [G, N, K/16])")
+    check(K % K_MULTIPLE == 0, "w.shape[2] (K)", K,
+          f"a multiple of {K_MULTIPLE} (TMA rows of the K/16 scale bytes must be 16-byte multiples)")
+    check(G > 0 and N > 0, "w.shape", tuple(w.shape), "G > 0 and N > 0")
+    check(w.global_scale.numel() in (1, G), "w.global_scale.numel()", w.global_scale.numel(), f"1 or {G}")
+    check(isinstance(x, torch.Tensor), "type(x)", type(x).__name__, "a bf16 torch.Tensor [S, K]")
+    check(x.dtype == torch.bfloat16, "x.dtype", x.dtype, "torch.bfloat16")
+    check(x.dim() == 2 and x.shape[1] == K, "x.shape", tuple(x.shape), f"[S, {K}] (K of w)")
+    check(isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int32, "offsets.dtype",
+          getattr(offsets, "dtype", type(offsets).__name__), "torch.int32")
+    check(tuple(offsets.shape) == (G + 1, ), "offsets.shape", tuple(offsets.shape), f"({G + 1},) (G + 1)")
+    check(out_dtype in (torch.float32, torch.bfloat16), "out_dtype", out_dtype, "torch.float32 or torch.bfloat16")
+    check(x.shape[0] < 2**31, "x.shape[0] (S)", x.shape[0], "< 2^31")
+    check(x.device == w.device and x.device.type == "cuda", "x.device", str(x.device),
+          f"a CUDA device, the weights' ({w.device})")
+    check(offsets.device == x.device, "offsets.device", str(offsets.device), str(x.device))
+
+
+def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, *,
+                             out_dtype: torch.dtype = torch.bfloat16, tokens_per_expert: int | None = None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
+
+    ``x``: bf16 ``[S, K]`` sorted by expert (CUDA, contiguous rows; a strided copy is made otherwise).
+    ``w``: :class:`NvFp4Tensor` ``[G, N, K]``, linear scales, global scale per expert (``[G]``) or one;
+    K a multiple of 256. ``offsets``: int32 ``[G + 1]`` on x's device, nondecreasing in ``[0, S]`` (clamped to
+    it on the device; no host sync). Returns ``out_dtype`` (float32 or bf16) ``[S, N]``, zeros outside every
+    expert. ``tokens_per_expert`` (default ``ceil(S / G)``) picks the token tile; an expert with more takes more
+    passes over its weights, never a wrong answer. Bad arguments raise :class:`MoEEpInputError`.
+    """
+    check_gluon_nvfp4(x, w, offsets, out_dtype)
+    G, N, K = w.shape
+    S = x.shape[0]
+    if out is None:
+        out = torch.zeros(S, N, dtype=out_dtype, device=x.device)
+    else:
+        check(out.dtype == out_dtype and tuple(out.shape) == (S, N) and out.is_contiguous(), "out",
+              f"{out.dtype} {tuple(out.shape)}", f"a contiguous {out_dtype} ({S}, {N})")
+    if S == 0:
+        return out
+    if tokens_per_expert is None:
+        tokens_per_expert = -(-S // G)
+    block_t = token_tile(tokens_per_expert)
+    x = x.contiguous()
+    codes = w.data.contiguous().view(G * N, K // 2)
+    scales = w.scales.contiguous().view(torch.uint8).view(G * N, K // 16)
+    gs = w.global_scale.reshape(-1).float().expand(G).contiguous()
+    lay = shared_layouts(block_t)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    q_desc = TensorDescriptor.from_tensor(codes, [BLOCK_N, BLOCK_K // 2], lay["codes"])
+    s_desc = TensorDescriptor.from_tensor(scales, [BLOCK_N, BLOCK_K // 16], lay["scales"])
+    x_desc = TensorDescriptor.from_tensor(x, [block_t, BLOCK_K], lay["x"])
+    grid = (math.ceil(N / BLOCK_N), G)
+    _gluon_nvfp4_kernel[grid](q_desc, s_desc, x_desc, gs, out, offsets, S, N, K, BLOCK_T=block_t, STAGES=STAGES,
+                              num_warps=4)
+    return out
+
+
+def compile_signature(block_t: int, out: str = "bf16") -> tuple[dict, dict]:
+    """(signature, constexprs) of :func:`_gluon_nvfp4_kernel` for a GPU-less ``triton.compile`` (compile checks)."""
+    lay = shared_layouts(block_t)
+    sig = {"q_desc": f"tensordesc<u8[{BLOCK_N}, {BLOCK_K // 2}],{lay['codes']!r}>",
+           "s_desc": f"tensordesc<u8[{BLOCK_N}, {BLOCK_K // 16}],{lay['scales']!r}>",
+           "x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
+           "gs_ptr": "*fp32", "out_ptr": f"*{out}", "offs_ptr": "*i32", "S": "i32", "N": "i32", "K": "i32",
+           "BLOCK_T": "constexpr", "STAGES": "constexpr"}
+    return sig, {"BLOCK_T": block_t, "STAGES": STAGES}
+
+
+__all__ = ["gluon_nvfp4_grouped_gemm", "check_gluon_nvfp4", "token_tile", "K_MULTIPLE"]
