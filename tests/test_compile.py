@@ -14,7 +14,8 @@ import pytest
 
 from moe_ep.testing.compile_checks import SM90_ONLY
 
-KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4"]  # moe_ep.testing.compile_checks.TABLES
+# moe_ep.testing.compile_checks.TABLES
+KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4"]
 
 # One process per target builds everything for it (or its shard: --compile-shard, tests/conftest.py), so the suite imports torch and triton for the builds once per
 # target, not once per kernel module; every check runs even when one fails, and each says how it ended (a JSON line).

@@ -55,15 +55,17 @@ def _operands(c, dev):
 
 def _check(c, dev=torch.device("cuda")):
     x, w, offsets, covered = _operands(c, dev)
-    out = gluon_nvfp4.gluon_nvfp4_grouped_gemm(x, w, offsets, out_dtype=c["out_dtype"], tokens_per_expert=c["hint"])
-    assert out.dtype == c["out_dtype"] and tuple(out.shape) == (x.shape[0], c["N"])
+    out = torch.full((x.shape[0], c["N"]), float("nan"), dtype=c["out_dtype"], device=dev)  # poisoned
+    got = gluon_nvfp4.gluon_nvfp4_grouped_gemm(x, w, offsets, out_dtype=c["out_dtype"], tokens_per_expert=c["hint"],
+                                               out=out)
+    assert got is out
     ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets)
     o, r = out[:covered].float(), ref[:covered]
     assert torch.isfinite(o).all()
     tol = FP32_TOL if c["out_dtype"] == torch.float32 else BF16_TOL
     err = (o - r).norm().item()
     assert err <= tol * r.norm().item() + 1e-30, f"rel err {err / max(r.norm().item(), 1e-30):.3e} > {tol}"
-    assert (out[covered:] == 0).all(), "rows of no expert were written"
+    assert torch.isnan(out[covered:].float()).all(), "rows of no expert were written"
 
 
 @pytest.mark.gpu

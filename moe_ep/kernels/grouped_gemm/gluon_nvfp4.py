@@ -199,21 +199,24 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
                              out: torch.Tensor | None = None) -> torch.Tensor:
     """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
 
-    ``x``: bf16 ``[S, K]`` sorted by expert (CUDA, contiguous rows; a strided copy is made otherwise).
-    ``w``: :class:`NvFp4Tensor` ``[G, N, K]``, linear scales, global scale per expert (``[G]``) or one;
-    K a multiple of 256. ``offsets``: int32 ``[G + 1]`` on x's device, nondecreasing in ``[0, S]`` (clamped to
-    it on the device; no host sync). Returns ``out_dtype`` (float32 or bf16) ``[S, N]``, zeros outside every
-    expert. ``tokens_per_expert`` (default ``ceil(S / G)``) picks the token tile; an expert with more takes more
-    passes over its weights, never a wrong answer. Bad arguments raise :class:`MoEEpInputError`.
+    ``x``: bf16 ``[S, K]`` sorted by expert (CUDA; a contiguous copy is made of a strided one). ``w``:
+    :class:`NvFp4Tensor` ``[G, N, K]``, linear scales, global scale per expert (``[G]``) or one; K a multiple of 256.
+    ``offsets``: int32 ``[G + 1]`` on x's device, nondecreasing in ``[0, S]`` (clamped to it on the device; no host
+    sync). Returns ``out_dtype`` (float32 or bf16) ``[S, N]``: ``out`` (contiguous, that dtype and shape, x's device)
+    or a new ``torch.empty``; rows outside every expert are not written, as with the tl kernel.
+    ``tokens_per_expert`` (default ``ceil(S / G)``) picks the token tile; an expert with more tokens takes more passes
+    over its weights, never a wrong answer. Bad arguments raise :class:`MoEEpInputError`.
     """
     check_gluon_nvfp4(x, w, offsets, out_dtype)
     G, N, K = w.shape
     S = x.shape[0]
     if out is None:
-        out = torch.zeros(S, N, dtype=out_dtype, device=x.device)
+        out = torch.empty(S, N, dtype=out_dtype, device=x.device)
     else:
-        check(out.dtype == out_dtype and tuple(out.shape) == (S, N) and out.is_contiguous(), "out",
-              f"{out.dtype} {tuple(out.shape)}", f"a contiguous {out_dtype} ({S}, {N})")
+        check(isinstance(out, torch.Tensor) and out.dtype == out_dtype and tuple(out.shape) == (S, N)
+              and out.is_contiguous() and out.device == x.device, "out",
+              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
+              f"a contiguous {out_dtype} ({S}, {N}) on {x.device}")
     if S == 0:
         return out
     if tokens_per_expert is None:
