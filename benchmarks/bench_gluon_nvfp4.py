@@ -2,9 +2,9 @@
 
 Each row: one GEMM (no SwiGLU) of a model's local experts, ragged bf16 x with the same tokens per expert, NVFP4
 weights (one global scale per expert). Columns, all CUDA-graph timed in this run: the Gluon kernel
-(``gluon_nvfp4_grouped_gemm``, bf16 out), the tl path (``moe_ep.kernels.grouped_gemm`` on the same NvFp4Tensor,
-autotuned first, bounded search), the time a plain streaming-read kernel takes to read the same weight bytes once
-(codes + scales: the floor), the byte floor at 4.8 TB/s, and the relative error of both against the fp32 reference
+(``gluon_nvfp4_grouped_gemm``, bf16 out; with its PTX decode and with the plain one), the tl path
+(``moe_ep.kernels.grouped_gemm`` on the same NvFp4Tensor, autotuned first, bounded search), the time a plain streaming-read kernel takes to read the same weight bytes once
+(codes + scales: the floor), the byte floor at 4.8 TB/s, and the relative error of each against the fp32 reference
 on the dequantized weights. A kernel that fails is reported in its row (the error), not fatal.
 
 From the repository root, on an H100 / H200:
@@ -65,13 +65,15 @@ def run_row(name, G, N, K, tpe):
     row["byte_floor_us"] = nbytes / BW * 1e6
     row["read_weights_us"] = time_read(w.data, w.scales.view(torch.uint8)) * 1e6
     ref = reference(x, w, offs)
-    try:
-        out = gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe)
-        torch.cuda.synchronize()
-        row["rel_err_gluon"] = rel_err(out, ref)
-        row["gluon_us"] = time_graph(lambda: gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe)) * 1e6
-    except Exception:  # noqa: BLE001  (reported in the row: the other columns still say something)
-        row["gluon_error"] = traceback.format_exc()[-2000:]
+    for col, fast in (("gluon", True), ("gluon_plain", False)):  # PTX decode (the default), plain fp32 decode
+        try:
+            out = gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, fast_decode=fast)
+            torch.cuda.synchronize()
+            row[f"rel_err_{col}"] = rel_err(out, ref)
+            row[f"{col}_us"] = time_graph(
+                lambda f=fast: gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, fast_decode=f)) * 1e6
+        except Exception:  # noqa: BLE001  (reported in the row: the other columns still say something)
+            row[f"{col}_error"] = traceback.format_exc()[-2000:]
     try:
         with options.override(autotune_quick=True):
             got, plan = grouped_gemm(x, w, offsets=offs, m_hint=tpe, return_plan=True)
@@ -105,18 +107,20 @@ def main():
 
     def e(v):
         return "-" if v is None else f"{v:8.1e}"
-    print(f"\n{'shape':34} {'tok/e':>5} {'gluon':>8} {'tl':>8} {'read':>8} {'byteflr':>8} {'gl/tl':>6} "
+    print(f"\n{'shape':34} {'tok/e':>5} {'gluon':>8} {'gl plain':>8} {'tl':>8} {'read':>8} {'byteflr':>8} {'gl/tl':>6} "
           f"{'gl/read':>7} {'err gl':>8} {'err tl':>8}")
     for r in rows:
         gl_us, tl_us, rd = r.get("gluon_us"), r.get("tl_us"), r["read_weights_us"]
-        print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} {f(gl_us):>8} {f(tl_us):>8} {f(rd):>8} "
+        print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} {f(gl_us):>8} {f(r.get('gluon_plain_us')):>8} "
+              f"{f(tl_us):>8} {f(rd):>8} "
               f"{f(r['byte_floor_us']):>8} {gl_us / tl_us if gl_us and tl_us else float('nan'):6.2f} "
               f"{gl_us / rd if gl_us else float('nan'):7.2f} {e(r.get('rel_err_gluon')):>8} "
               f"{e(r.get('rel_err_tl')):>8}")
-        for k in ("gluon_error", "tl_error"):
+        for k in ("gluon_error", "gluon_plain_error", "tl_error"):
             if k in r:
                 print(f"  {k}: {r[k].strip().splitlines()[-1]}")
-    print("times in us (median of CUDA-graph replays); read: the NVFP4 weight codes + scales streamed once by a plain "
+    print("times in us (median of CUDA-graph replays); gluon / gl plain: the Gluon kernel with the PTX / plain fp32 "
+          "decode (gl/tl, gl/read: the PTX one); read: the NVFP4 weight codes + scales streamed once by a plain "
           "Triton read kernel (best of a few tilings); byteflr: those bytes / 4.8 TB/s; err: relative Frobenius error "
           "against fp32 x @ dequant(w)^T (bf16 outputs)")
 

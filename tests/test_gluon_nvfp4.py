@@ -53,11 +53,11 @@ def _operands(c, dev):
     return x, w, torch.tensor(offs, dtype=torch.int32, device=dev), offs[-1]
 
 
-def _check(c, dev=torch.device("cuda")):
+def _check(c, fast_decode, dev=torch.device("cuda")):
     x, w, offsets, covered = _operands(c, dev)
     out = torch.full((x.shape[0], c["N"]), float("nan"), dtype=c["out_dtype"], device=dev)  # poisoned
     got = gluon_nvfp4.gluon_nvfp4_grouped_gemm(x, w, offsets, out_dtype=c["out_dtype"], tokens_per_expert=c["hint"],
-                                               out=out)
+                                               out=out, fast_decode=fast_decode)
     assert got is out
     ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets)
     o, r = out[:covered].float(), ref[:covered]
@@ -71,9 +71,10 @@ def _check(c, dev=torch.device("cuda")):
 @pytest.mark.gpu
 @hopper_only
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(gluon_cases())
-def test_gluon_nvfp4_matches_reference(c):
-    _check(c)
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["ptx-decode", "plain-decode"])
+@given(c=gluon_cases())
+def test_gluon_nvfp4_matches_reference(fast_decode, c):
+    _check(c, fast_decode)
 
 
 @pytest.mark.gpu
@@ -82,9 +83,10 @@ def test_gluon_nvfp4_matches_reference(c):
                                         (128, 2048, 768, 8)], ids=["dsv3-gemm1", "dsv3-gemm2", "qwen3-gemm1",
                                                                    "qwen3-gemm2"])
 def test_gluon_nvfp4_benchmark_shapes(G, N, K, rows):
-    """The benchmark's shapes (DeepSeek-V3 EP8 rank, Qwen3-30B-A3B), balanced counts, bf16 output."""
-    _check(dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False,
-                scale=1.0, zero_frac=0.0, seed=1))
+    """The benchmark's shapes (DeepSeek-V3 EP8 rank, Qwen3-30B-A3B), balanced counts, bf16 output, both decodes."""
+    for fast_decode in (True, False):
+        _check(dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False,
+                    scale=1.0, zero_frac=0.0, seed=1), fast_decode)
 
 
 def _bad_inputs():

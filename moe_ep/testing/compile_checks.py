@@ -205,13 +205,13 @@ def fp8_prefill_configs(swiglu: bool) -> list:
 
 
 def gluon_nvfp4():
-    """(Gluon kernel, signature, constexprs) per token tile and output dtype of the Hopper NVFP4-weight GEMM: built
+    """(Gluon kernel, signature, constexprs) per token tile, output dtype and decode of the Hopper NVFP4 GEMM: built
     with ``GluonASTSource`` (a Gluon function is not a ``triton.language`` one), for sm_90 only (:data:`SM90_ONLY`:
     it is wgmma code)."""
     checks = []
     for block_t in _gluon_nvfp4.TOKEN_TILES:
-        for out in ("bf16", "fp32"):
-            sig, const = _gluon_nvfp4.compile_signature(block_t, out)
+        for out, fast in (("bf16", True), ("fp32", True), ("bf16", False)):
+            sig, const = _gluon_nvfp4.compile_signature(block_t, out, fast)
             checks.append((_gluon_nvfp4._gluon_nvfp4_kernel, sig, const))
     return checks
 

@@ -33,12 +33,14 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 from ...errors import check
 from ..nvfp4_tensor import NvFp4Tensor
+from .fp4_decode import _FP4_ASM  # the tl kernel's register decode: 4 codes of 2 words -> 4 bf16x2, one fma each
 
 BLOCK_N = 64  # weight rows per program: the wgmma M of one warpgroup
 BLOCK_K = 256  # K per ring slot (128 code bytes per row: one 128-byte swizzle row)
 K_MULTIPLE = 256  # TMA: the scale rows (K/16 bytes) must be 16-byte multiples
 STAGES = 3
 TOKEN_TILES = (8, 16, 32, 64)  # BLOCK_T choices: wgmma N of 8 .. 64
+_TWO_118 = gl.constexpr(2.0 ** 118)
 
 
 def token_tile(tokens_per_expert: int) -> int:
@@ -95,8 +97,44 @@ def _fp4_values(code):
 
 
 @gluon.jit
+def _decode_plain(q, sb, code_layout: gl.constexpr):
+    """Codes uint8 [BN, BK/2] (``code_layout``: a thread holds one scale block's 8 bytes) and their scale bytes
+    [BN, BK/16] -> bf16 [BN, BK] ``e2m1 * s`` (exact), in fp32 arithmetic."""
+    BN: gl.constexpr = q.shape[0]
+    BK: gl.constexpr = 2 * q.shape[1]
+    q = q.to(gl.int16)
+    s = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    s = gl.join(s, s)
+    s = gl.join(s, s)
+    s = gl.join(s, s)  # [BN, BK/16, 2, 2, 2]: the scale of each code byte of its block
+    s = gl.convert_layout(gl.reshape(s, [BN, BK // 2]), code_layout)
+    lo = (_fp4_values(q & 0xF) * s).to(gl.bfloat16)  # element 2c of byte c
+    hi = (_fp4_values((q >> 4) & 0xF) * s).to(gl.bfloat16)  # element 2c + 1
+    return gl.reshape(gl.join(lo, hi), [BN, BK])
+
+
+@gluon.jit
+def _decode_fast(q, sb, code_layout: gl.constexpr):
+    """The same values times 2^-8 (the caller folds 256 into the global scale) by the tl kernel's inline PTX
+    (``fp4_decode._FP4_ASM``): byte pairs make int16 words of 4 codes, and each pair of words takes 3 integer ops
+    and one bf16x2 fma per register of 2 values, against its block's scale as bf16 ``s * 2^118`` (exact)."""
+    BN: gl.constexpr = q.shape[0]
+    BK: gl.constexpr = 2 * q.shape[1]
+    b0, b1 = gl.split(gl.reshape(q, [BN, BK // 4, 2]))
+    words = b0.to(gl.int16) | (b1.to(gl.int16) << 8)  # [BN, BK/4]: word w holds elements 4w .. 4w + 3
+    s = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _TWO_118
+    s = gl.join(s, s)
+    s = gl.join(s, s)  # [BN, BK/16, 2, 2]: the scale of each word of its block
+    s = gl.convert_layout(gl.reshape(s, [BN, BK // 4]), words.type.layout).to(gl.bfloat16)
+    w0, w1, w2, w3 = gl.inline_asm_elementwise(_FP4_ASM, "=r,=r,=r,=r,r,r", [words, s],
+                                               dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+                                               is_pure=True, pack=2)
+    return gl.reshape(gl.join(gl.join(w0, w2), gl.join(w1, w3)), [BN, BK])
+
+
+@gluon.jit
 def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, empty, S, N, K,
-              BLOCK_T: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_T: gl.constexpr, STAGES: gl.constexpr, FAST_DECODE: gl.constexpr):
     """The default warpgroup: decode each slot's codes * scales into the A buffer, free the slot, wgmma against x^T;
     then scale by 1 / gs and store this expert's rows."""
     BN: gl.constexpr = a_smem.shape[0]
@@ -111,6 +149,8 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
     gs = gl.load(gs_ptr + g)
     # the reference's rows with a global scale that is not positive and finite are NaN
     inv = gl.where((gs > 0.0) & (gs < float("inf")), 1.0 / gs, float("nan"))
+    if FAST_DECODE:
+        inv = inv * 256.0  # the fast decode's values are e2m1 * s * 2^-8
     rows = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
     toks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_layout))
     i = 0
@@ -119,16 +159,12 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
         for k0 in range(0, K, BK):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            q = q_ring.index(slot).load(code_layout).to(gl.int16)  # [BN, BK/2]
+            q = q_ring.index(slot).load(code_layout)  # [BN, BK/2]
             sb = s_ring.index(slot).load(scale_layout)  # [BN, BK/16]
-            s = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-            s = gl.join(s, s)
-            s = gl.join(s, s)
-            s = gl.join(s, s)  # [BN, BK/16, 2, 2, 2]: the scale of each code byte of its block
-            s = gl.convert_layout(gl.reshape(s, [BN, BK // 2]), code_layout)
-            lo = (_fp4_values(q & 0xF) * s).to(gl.bfloat16)  # element 2c of byte c
-            hi = (_fp4_values((q >> 4) & 0xF) * s).to(gl.bfloat16)  # element 2c + 1
-            w = gl.reshape(gl.join(lo, hi), [BN, BK])
+            if FAST_DECODE:
+                w = _decode_fast(q, sb, code_layout)
+            else:
+                w = _decode_plain(q, sb, code_layout)
             a_smem.store(w)
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of A is written before the MMA reads it
@@ -144,7 +180,7 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
 
 @gluon.jit
 def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N, K, BLOCK_T: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        STAGES: gl.constexpr, FAST_DECODE: gl.constexpr):
     """Program (n, g): weight rows n * 64 .. of expert g against all of g's tokens (module docstring)."""
     BN: gl.constexpr = q_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -161,7 +197,7 @@ def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, empty, S, N, K, BLOCK_T,
-                     STAGES)),
+                     STAGES, FAST_DECODE)),
         (_producer, (q_desc, s_desc, x_desc, offs_ptr, q_ring, s_ring, x_ring, ready, empty, S, N, K, BLOCK_T,
                      STAGES)),
     ], [1], [24])
@@ -196,7 +232,7 @@ def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, ou
 
 def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, *,
                              out_dtype: torch.dtype = torch.bfloat16, tokens_per_expert: int | None = None,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, fast_decode: bool = True) -> torch.Tensor:
     """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
 
     ``x``: bf16 ``[S, K]`` sorted by expert (CUDA; a contiguous copy is made of a strided one). ``w``:
@@ -205,7 +241,8 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     sync). Returns ``out_dtype`` (float32 or bf16) ``[S, N]``: ``out`` (contiguous, that dtype and shape, x's device)
     or a new ``torch.empty``; rows outside every expert are not written, as with the tl kernel.
     ``tokens_per_expert`` (default ``ceil(S / G)``) picks the token tile; an expert with more tokens takes more passes
-    over its weights, never a wrong answer. Bad arguments raise :class:`MoEEpInputError`.
+    over its weights, never a wrong answer. ``fast_decode``: decode by the tl kernel's inline PTX (bf16x2 fma; the
+    default) or by plain fp32 ops (the simpler decode, the same values). Bad arguments raise :class:`MoEEpInputError`.
     """
     check_gluon_nvfp4(x, w, offsets, out_dtype)
     G, N, K = w.shape
@@ -223,6 +260,8 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
         tokens_per_expert = -(-S // G)
     block_t = token_tile(tokens_per_expert)
     x = x.contiguous()
+    if x.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
+        x = x.clone()
     codes = w.data.contiguous().view(G * N, K // 2)
     scales = w.scales.contiguous().view(torch.uint8).view(G * N, K // 16)
     gs = w.global_scale.reshape(-1).float().expand(G).contiguous()
@@ -233,19 +272,19 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     x_desc = TensorDescriptor.from_tensor(x, [block_t, BLOCK_K], lay["x"])
     grid = (math.ceil(N / BLOCK_N), G)
     _gluon_nvfp4_kernel[grid](q_desc, s_desc, x_desc, gs, out, offsets, S, N, K, BLOCK_T=block_t, STAGES=STAGES,
-                              num_warps=4)
+                              FAST_DECODE=bool(fast_decode), num_warps=4)
     return out
 
 
-def compile_signature(block_t: int, out: str = "bf16") -> tuple[dict, dict]:
+def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True) -> tuple[dict, dict]:
     """(signature, constexprs) of :func:`_gluon_nvfp4_kernel` for a GPU-less ``triton.compile`` (compile checks)."""
     lay = shared_layouts(block_t)
     sig = {"q_desc": f"tensordesc<u8[{BLOCK_N}, {BLOCK_K // 2}],{lay['codes']!r}>",
            "s_desc": f"tensordesc<u8[{BLOCK_N}, {BLOCK_K // 16}],{lay['scales']!r}>",
            "x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "gs_ptr": "*fp32", "out_ptr": f"*{out}", "offs_ptr": "*i32", "S": "i32", "N": "i32", "K": "i32",
-           "BLOCK_T": "constexpr", "STAGES": "constexpr"}
-    return sig, {"BLOCK_T": block_t, "STAGES": STAGES}
+           "BLOCK_T": "constexpr", "STAGES": "constexpr", "FAST_DECODE": "constexpr"}
+    return sig, {"BLOCK_T": block_t, "STAGES": STAGES, "FAST_DECODE": fast_decode}
 
 
 __all__ = ["gluon_nvfp4_grouped_gemm", "check_gluon_nvfp4", "token_tile", "K_MULTIPLE"]
