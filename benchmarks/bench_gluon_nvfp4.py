@@ -3,9 +3,11 @@
 Each row: one GEMM (no SwiGLU) of a model's local experts, ragged bf16 x with the same tokens per expert, NVFP4
 weights (one global scale per expert). Columns, all CUDA-graph timed in this run: the Gluon kernel
 (``gluon_nvfp4_grouped_gemm``, bf16 out; with its PTX decode and with the plain one), the tl path
-(``moe_ep.kernels.grouped_gemm`` on the same NvFp4Tensor, autotuned first, bounded search), the time a plain streaming-read kernel takes to read the same weight bytes once
-(codes + scales: the floor), the byte floor at 4.8 TB/s, and the relative error of each against the fp32 reference
-on the dequantized weights. A kernel that fails is reported in its row (the error), not fatal.
+(``moe_ep.kernels.grouped_gemm`` on the same NvFp4Tensor, autotuned first, bounded search), the time a plain
+streaming-read kernel takes to read the same weight bytes once (codes + scales: the floor), the byte floor at
+4.8 TB/s, and the relative error of each against the fp32 reference on the dequantized weights; the PTX-decode
+kernel also at other ring depths and register budgets (``LAUNCH_SWEEP``), to pick ``launch_params`` from. A kernel
+that fails is reported in its row (the error), not fatal.
 
 From the repository root, on an H100 / H200:
 
@@ -27,7 +29,8 @@ from moe_ep import options  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 from moe_ep.kernels import grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
-from moe_ep.kernels.grouped_gemm.gluon_nvfp4 import gluon_nvfp4_grouped_gemm, token_tile  # noqa: E402
+from moe_ep.kernels.grouped_gemm.gluon_nvfp4 import (  # noqa: E402
+    gluon_nvfp4_grouped_gemm, launch_params, token_tile)
 from moe_ep.reference import dequantize_nvfp4_ref  # noqa: E402
 
 BW = 4.8e12
@@ -37,6 +40,9 @@ SHAPES = [  # (name, local experts G, N, K, tokens per expert)
     ("Qwen3-30B-A3B gemm1 (gate+up)", 128, 1536, 2048, 8),
     ("Qwen3-30B-A3B gemm2 (down)", 128, 2048, 768, 8),
 ]
+
+LAUNCH_SWEEP = [(None, None), (2, 80), (2, 64), (3, 128), (3, None), (4, 128)]
+"""(stages, maxnreg) the PTX-decode kernel is also timed at (None: the token tile's ``launch_params``)."""
 
 
 def rel_err(a, b):
@@ -74,6 +80,18 @@ def run_row(name, G, N, K, tpe):
                 lambda f=fast: gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, fast_decode=f)) * 1e6
         except Exception:  # noqa: BLE001  (reported in the row: the other columns still say something)
             row[f"{col}_error"] = traceback.format_exc()[-2000:]
+    sweep = {}
+    for stages, maxnreg in LAUNCH_SWEEP[1:]:
+        key = f"stages{stages}_regs{maxnreg}"
+        try:
+            out = gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, stages=stages, maxnreg=maxnreg)
+            torch.cuda.synchronize()
+            sweep[key] = {"rel_err": rel_err(out, ref), "us": time_graph(lambda s=stages, m=maxnreg: (
+                gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, stages=s, maxnreg=m))) * 1e6}
+        except Exception:  # noqa: BLE001  (a launch that does not fit, e.g. shared memory, is reported)
+            sweep[key] = {"error": traceback.format_exc().strip().splitlines()[-1][:300]}
+    row["gluon_sweep"] = sweep
+    row["gluon_defaults"] = dict(zip(("stages", "maxnreg"), launch_params(token_tile(tpe))))
     try:
         with options.override(autotune_quick=True):
             got, plan = grouped_gemm(x, w, offsets=offs, m_hint=tpe, return_plan=True)
@@ -119,6 +137,9 @@ def main():
         for k in ("gluon_error", "gluon_plain_error", "tl_error"):
             if k in r:
                 print(f"  {k}: {r[k].strip().splitlines()[-1]}")
+        print(f"  defaults {r['gluon_defaults']}; sweep (stages, maxnreg): " + ", ".join(
+            f"{k}: {v['us']:.1f} us (err {v['rel_err']:.1e})" if "us" in v else f"{k}: {v['error']}"
+            for k, v in r["gluon_sweep"].items()))
     print("times in us (median of CUDA-graph replays); gluon / gl plain: the Gluon kernel with the PTX / plain fp32 "
           "decode (gl/tl, gl/read: the PTX one); read: the NVFP4 weight codes + scales streamed once by a plain "
           "Triton read kernel (best of a few tilings); byteflr: those bytes / 4.8 TB/s; err: relative Frobenius error "

@@ -49,10 +49,10 @@ def kernel_module(name):
     if name in SM90_ONLY and cc != 90:
         return f"sm_90 only: none of {len(checks)} variants built for sm_{cc}"
     built = 0
-    for i, (fn, sig, constexprs) in enumerate(checks):
+    for i, (fn, sig, constexprs, *options) in enumerate(checks):  # options: a launch's num_warps, maxnreg
         if mine(i):
             source = GluonASTSource if fn.is_gluon() else ASTSource
-            k = triton.compile(source(fn, sig, constexprs), target=target)
+            k = triton.compile(source(fn, sig, constexprs), target=target, options=options[0] if options else None)
             assert k.asm["cubin"], (fn.__name__, cc)
             built += 1
     return f"{built} of {len(checks)} variants compiled for sm_{cc}"

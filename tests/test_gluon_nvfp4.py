@@ -6,7 +6,9 @@ the kernel computes that function up to fp32 summation order and the global scal
 relative, fp32 output) plus the output rounding (bf16 output: 1e-2, as for the tl kernel's GEMM).
 """
 
+import os
 import re
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from moe_ep.kernels import NvFp4Tensor, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels.grouped_gemm import gluon_nvfp4
 from moe_ep.reference import dequantize_nvfp4_ref, grouped_gemm_ref
 from moe_ep.testing.strategies import expert_counts, scaled_values
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_gluon_nvfp4 import LAUNCH_SWEEP  # noqa: E402  (the launches the benchmark times are the ones tested)
 
 FP32_TOL = 1e-4
 BF16_TOL = 1e-2
@@ -53,11 +58,11 @@ def _operands(c, dev):
     return x, w, torch.tensor(offs, dtype=torch.int32, device=dev), offs[-1]
 
 
-def _check(c, fast_decode, dev=torch.device("cuda")):
+def _check(c, fast_decode, dev=torch.device("cuda"), **launch):
     x, w, offsets, covered = _operands(c, dev)
     out = torch.full((x.shape[0], c["N"]), float("nan"), dtype=c["out_dtype"], device=dev)  # poisoned
     got = gluon_nvfp4.gluon_nvfp4_grouped_gemm(x, w, offsets, out_dtype=c["out_dtype"], tokens_per_expert=c["hint"],
-                                               out=out, fast_decode=fast_decode)
+                                               out=out, fast_decode=fast_decode, **launch)
     assert got is out
     ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets)
     o, r = out[:covered].float(), ref[:covered]
@@ -83,10 +88,13 @@ def test_gluon_nvfp4_matches_reference(fast_decode, c):
                                         (128, 2048, 768, 8)], ids=["dsv3-gemm1", "dsv3-gemm2", "qwen3-gemm1",
                                                                    "qwen3-gemm2"])
 def test_gluon_nvfp4_benchmark_shapes(G, N, K, rows):
-    """The benchmark's shapes (DeepSeek-V3 EP8 rank, Qwen3-30B-A3B), balanced counts, bf16 output, both decodes."""
-    for fast_decode in (True, False):
-        _check(dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False,
-                    scale=1.0, zero_frac=0.0, seed=1), fast_decode)
+    """The benchmark's shapes (DeepSeek-V3 EP8 rank, Qwen3-30B-A3B), balanced counts, bf16 output: both decodes,
+    and the ring depths and register budgets the benchmark sweeps."""
+    c = dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False, scale=1.0,
+             zero_frac=0.0, seed=1)
+    _check(c, False)
+    for stages, maxnreg in LAUNCH_SWEEP:
+        _check(c, True, stages=stages, maxnreg=maxnreg)
 
 
 def _bad_inputs():

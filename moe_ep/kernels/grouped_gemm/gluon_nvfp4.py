@@ -9,7 +9,7 @@ and walks that expert's tokens in ``BLOCK_T`` chunks (one chunk at decode), over
 Two partitions share a ``STAGES``-deep ring of shared-memory slots, each guarded by a "ready" and an "empty"
 mbarrier:
 
-- the producer (1 warp) TMA-loads a step's packed codes ``[64, BLOCK_K/2]`` (uint8), their E4M3 scale bytes
+- the producer (1 warp, padded to a warpgroup by Triton) TMA-loads a step's packed codes ``[64, BLOCK_K/2]`` (uint8), their E4M3 scale bytes
   ``[64, BLOCK_K/16]`` and the x tile ``[BLOCK_T, BLOCK_K]`` (bf16; rows past S read as zeros) into a free slot;
 - the consumer (the default partition: one warpgroup) decodes codes * scales into bf16 (``e2m1 * s`` is exact in bf16:
   at most 2 significant bits times 4), writes them to the wgmma A buffer in shared memory, frees the slot, runs
@@ -38,7 +38,6 @@ from .fp4_decode import _FP4_ASM  # the tl kernel's register decode: 4 codes of 
 BLOCK_N = 64  # weight rows per program: the wgmma M of one warpgroup
 BLOCK_K = 256  # K per ring slot (128 code bytes per row: one 128-byte swizzle row)
 K_MULTIPLE = 256  # TMA: the scale rows (K/16 bytes) must be 16-byte multiples
-STAGES = 3
 TOKEN_TILES = (8, 16, 32, 64)  # BLOCK_T choices: wgmma N of 8 .. 64
 _TWO_118 = gl.constexpr(2.0 ** 118)
 
@@ -47,6 +46,16 @@ def token_tile(tokens_per_expert: int) -> int:
     """The BLOCK_T for an expected ``tokens_per_expert``: the smallest of :data:`TOKEN_TILES` holding them (64 past
     that; an expert with more tokens takes more chunks)."""
     return next((t for t in TOKEN_TILES if t >= tokens_per_expert), TOKEN_TILES[-1])
+
+
+def launch_params(block_t: int) -> tuple[int, int | None]:
+    """(ring stages, registers per thread or None for Triton's 256) of a token tile: as many CTAs per SM as shared
+    memory and registers allow together. The warp-specialized CTA is 2 warpgroups (the consumer, and the producer's
+    warp padded to one), so ``maxnreg`` r gives 65536 // (256 r) CTAs per SM, the consumer ``2 r - 24`` registers:
+    80 -> 3 CTAs (136 consumer registers), 128 -> 2. Shared memory per CTA: the 32 KB A buffer plus
+    ``stages * (9 KB + block_t KB / 2)``; 8 and 16 token tiles take 2 stages (3 CTAs), 32 takes 3 (2 CTAs), 64 fits
+    one CTA."""
+    return {8: (2, 80), 16: (2, 80), 32: (3, 128)}.get(block_t, (3, None))
 
 
 def shared_layouts(block_t: int) -> dict:
@@ -232,7 +241,8 @@ def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, ou
 
 def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, *,
                              out_dtype: torch.dtype = torch.bfloat16, tokens_per_expert: int | None = None,
-                             out: torch.Tensor | None = None, fast_decode: bool = True) -> torch.Tensor:
+                             out: torch.Tensor | None = None, fast_decode: bool = True, stages: int | None = None,
+                             maxnreg: int | None = None) -> torch.Tensor:
     """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
 
     ``x``: bf16 ``[S, K]`` sorted by expert (CUDA; a contiguous copy is made of a strided one). ``w``:
@@ -242,7 +252,9 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     or a new ``torch.empty``; rows outside every expert are not written, as with the tl kernel.
     ``tokens_per_expert`` (default ``ceil(S / G)``) picks the token tile; an expert with more tokens takes more passes
     over its weights, never a wrong answer. ``fast_decode``: decode by the tl kernel's inline PTX (bf16x2 fma; the
-    default) or by plain fp32 ops (the simpler decode, the same values). Bad arguments raise :class:`MoEEpInputError`.
+    default) or by plain fp32 ops (the simpler decode, the same values). ``stages`` (ring depth, >= 1) and ``maxnreg``
+    (registers per thread, None: Triton's) override :func:`launch_params` (the benchmark sweeps them). Bad arguments
+    raise :class:`MoEEpInputError`.
     """
     check_gluon_nvfp4(x, w, offsets, out_dtype)
     G, N, K = w.shape
@@ -259,6 +271,12 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     if tokens_per_expert is None:
         tokens_per_expert = -(-S // G)
     block_t = token_tile(tokens_per_expert)
+    default_stages, default_regs = launch_params(block_t)
+    stages = default_stages if stages is None else stages
+    maxnreg = default_regs if maxnreg is None else maxnreg
+    check(isinstance(stages, int) and 1 <= stages <= 8, "stages", stages, "an int in [1, 8]")
+    check(maxnreg is None or (isinstance(maxnreg, int) and 32 <= maxnreg <= 256), "maxnreg", maxnreg,
+          "None or an int in [32, 256]")
     x = x.contiguous()
     if x.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         x = x.clone()
@@ -271,20 +289,24 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     s_desc = TensorDescriptor.from_tensor(scales, [BLOCK_N, BLOCK_K // 16], lay["scales"])
     x_desc = TensorDescriptor.from_tensor(x, [block_t, BLOCK_K], lay["x"])
     grid = (math.ceil(N / BLOCK_N), G)
-    _gluon_nvfp4_kernel[grid](q_desc, s_desc, x_desc, gs, out, offsets, S, N, K, BLOCK_T=block_t, STAGES=STAGES,
-                              FAST_DECODE=bool(fast_decode), num_warps=4)
+    regs = {} if maxnreg is None else {"maxnreg": maxnreg}
+    _gluon_nvfp4_kernel[grid](q_desc, s_desc, x_desc, gs, out, offsets, S, N, K, BLOCK_T=block_t, STAGES=stages,
+                              FAST_DECODE=bool(fast_decode), num_warps=4, **regs)
     return out
 
 
-def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True) -> tuple[dict, dict]:
-    """(signature, constexprs) of :func:`_gluon_nvfp4_kernel` for a GPU-less ``triton.compile`` (compile checks)."""
+def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_kernel` at a token tile's
+    :func:`launch_params`, for a GPU-less ``triton.compile`` (compile checks)."""
+    stages, maxnreg = launch_params(block_t)
     lay = shared_layouts(block_t)
     sig = {"q_desc": f"tensordesc<u8[{BLOCK_N}, {BLOCK_K // 2}],{lay['codes']!r}>",
            "s_desc": f"tensordesc<u8[{BLOCK_N}, {BLOCK_K // 16}],{lay['scales']!r}>",
            "x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "gs_ptr": "*fp32", "out_ptr": f"*{out}", "offs_ptr": "*i32", "S": "i32", "N": "i32", "K": "i32",
            "BLOCK_T": "constexpr", "STAGES": "constexpr", "FAST_DECODE": "constexpr"}
-    return sig, {"BLOCK_T": block_t, "STAGES": STAGES, "FAST_DECODE": fast_decode}
+    return (sig, {"BLOCK_T": block_t, "STAGES": stages, "FAST_DECODE": fast_decode},
+            dict(num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
 __all__ = ["gluon_nvfp4_grouped_gemm", "check_gluon_nvfp4", "token_tile", "K_MULTIPLE"]
