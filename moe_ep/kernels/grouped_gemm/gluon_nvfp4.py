@@ -9,12 +9,17 @@ and walks that expert's tokens in ``BLOCK_T`` chunks (one chunk at decode), over
 Two partitions share a ``STAGES``-deep ring of shared-memory slots, each guarded by a "ready" and an "empty"
 mbarrier:
 
-- the producer (1 warp, padded to a warpgroup by Triton) TMA-loads a step's packed codes ``[64, BLOCK_K/2]`` (uint8), their E4M3 scale bytes
-  ``[64, BLOCK_K/16]`` and the x tile ``[BLOCK_T, BLOCK_K]`` (bf16; rows past S read as zeros) into a free slot;
-- the consumer (the default partition: one warpgroup) decodes codes * scales into bf16 (``e2m1 * s`` is exact in bf16:
-  at most 2 significant bits times 4), writes them to the wgmma A buffer in shared memory, frees the slot, runs
-  ``warpgroup_mma`` against x^T (the x slot seen transposed), and at the end of the K loop applies the expert's fp32
-  global scale (``acc / gs``, as the reference divides) and stores the rows of this expert's tokens.
+- the producer (1 warp, padded to a warpgroup by Triton) TMA-loads a step's packed codes ``[64, BLOCK_K/2]``
+  (uint8), their E4M3 scale bytes ``[64, BLOCK_K/16]`` and the x tile ``[BLOCK_T, BLOCK_K]`` (bf16; rows past S read
+  as zeros) into a free slot;
+- the consumer (the default partition: one warpgroup) decodes codes * scales into bf16 (``e2m1 * s`` is exact in
+  bf16: at most 2 significant bits times 4; by the tl kernel's inline PTX, or by plain fp32 ops), writes them to the
+  wgmma A buffer in shared memory, runs ``warpgroup_mma`` against x^T (the x slot seen transposed), frees the slot
+  once the MMA is done, and at the end of the K loop multiplies by the expert's ``1 / gs`` (the reference divides
+  each weight by gs: the same up to fp32 rounding) and stores the rows of this expert's tokens.
+
+The ring depth and the register budget per token tile (:func:`launch_params`) let 2-3 CTAs share an SM at the
+decode tiles: Triton's own budget for a warp-specialized kernel (256 registers a thread) admits one.
 
 Operands are the user-visible :class:`NvFp4Tensor` as it is (linear scales, no kernel-specific packing). TMA needs
 16-byte row strides, so K must be a multiple of 256 (the scale rows are K/16 bytes), which :func:`check_gluon_nvfp4`
