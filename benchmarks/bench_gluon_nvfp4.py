@@ -117,8 +117,8 @@ def main():
         r = run_row(*shape)
         rows.append(r)
         print(json.dumps(r), flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": dev_name, "triton": triton.__version__, "rows": rows}, f, indent=1)
+        with open(args.out, "w") as f:  # after every row: a run cut short still leaves the rows it finished
+            json.dump({"device": dev_name, "triton": triton.__version__, "rows": rows}, f, indent=1)
 
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"
