@@ -30,7 +30,7 @@ from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 from moe_ep.kernels import grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels.grouped_gemm.gluon_nvfp4 import (  # noqa: E402
-    gluon_nvfp4_grouped_gemm, launch_params, token_tile)
+    LAUNCH_SWEEP, gluon_nvfp4_grouped_gemm, launch_params, token_tile)
 from moe_ep.reference import dequantize_nvfp4_ref  # noqa: E402
 
 BW = 4.8e12
@@ -40,10 +40,6 @@ SHAPES = [  # (name, local experts G, N, K, tokens per expert)
     ("Qwen3-30B-A3B gemm1 (gate+up)", 128, 1536, 2048, 8),
     ("Qwen3-30B-A3B gemm2 (down)", 128, 2048, 768, 8),
 ]
-
-LAUNCH_SWEEP = [(None, None), (2, 80), (2, 64), (3, 128), (3, 256), (4, 128)]
-"""(stages, maxnreg) the PTX-decode kernel is also timed at: first the token tile's ``launch_params`` (None), then
-others (256 registers: Triton's own budget for a warp-specialized kernel, one CTA per SM)."""
 
 
 def rel_err(a, b):

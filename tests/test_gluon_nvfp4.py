@@ -6,9 +6,7 @@ the kernel computes that function up to fp32 summation order and the global scal
 relative, fp32 output) plus the output rounding (bf16 output: 1e-2, as for the tl kernel's GEMM).
 """
 
-import os
 import re
-import sys
 
 import pytest
 import torch
@@ -20,9 +18,6 @@ from moe_ep.kernels import NvFp4Tensor, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels.grouped_gemm import gluon_nvfp4
 from moe_ep.reference import dequantize_nvfp4_ref, grouped_gemm_ref
 from moe_ep.testing.strategies import expert_counts, scaled_values
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_gluon_nvfp4 import LAUNCH_SWEEP  # noqa: E402  (the launches the benchmark times are the ones tested)
 
 FP32_TOL = 1e-4
 BF16_TOL = 1e-2
@@ -93,7 +88,7 @@ def test_gluon_nvfp4_benchmark_shapes(G, N, K, rows):
     c = dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False, scale=1.0,
              zero_frac=0.0, seed=1)
     _check(c, False)
-    for stages, maxnreg in LAUNCH_SWEEP:
+    for stages, maxnreg in gluon_nvfp4.LAUNCH_SWEEP:
         _check(c, True, stages=stages, maxnreg=maxnreg)
 
 

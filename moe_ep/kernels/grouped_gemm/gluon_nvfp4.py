@@ -63,6 +63,11 @@ def launch_params(block_t: int) -> tuple[int, int | None]:
     return {8: (2, 80), 16: (2, 80), 32: (3, 128)}.get(block_t, (3, None))
 
 
+LAUNCH_SWEEP = [(None, None), (2, 80), (2, 64), (3, 128), (3, 256), (4, 128)]
+"""(stages, maxnreg) overrides that benchmarks/bench_gluon_nvfp4.py times and the GPU tests check: first the
+token tile's :func:`launch_params` (None), then others (256 registers: Triton's own budget, one CTA per SM)."""
+
+
 def shared_layouts(block_t: int) -> dict:
     """The NVMMA shared layouts of the ring slots and the A buffer (also the compile check's descriptor types)."""
     return {"codes": gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K // 2], gl.uint8),
