@@ -6,8 +6,9 @@ weights (one global scale per expert). Columns, all CUDA-graph timed in this run
 (``moe_ep.kernels.grouped_gemm`` on the same NvFp4Tensor, autotuned first, bounded search), the time a plain
 streaming-read kernel takes to read the same weight bytes once (codes + scales: the floor), the byte floor at
 4.8 TB/s, and the relative error of each against the fp32 reference on the dequantized weights; the PTX-decode
-kernel also at other ring depths and register budgets (``LAUNCH_SWEEP``), to pick ``launch_params`` from. A kernel
-that fails is reported in its row (the error), not fatal.
+kernel also at other ring depths, register budgets and with the MMA overlapping the next decode
+(``LAUNCH_SWEEP``), to pick ``launch_params`` from. A kernel that fails is reported in its row (the error), not
+fatal.
 
 From the repository root, on an H100 / H200:
 
@@ -78,13 +79,14 @@ def run_row(name, G, N, K, tpe):
         except Exception:  # noqa: BLE001  (reported in the row: the other columns still say something)
             row[f"{col}_error"] = traceback.format_exc()[-2000:]
     sweep = {}
-    for stages, maxnreg in LAUNCH_SWEEP[1:]:
-        key = f"stages{stages}_regs{maxnreg}"
+    for stages, maxnreg, overlap in LAUNCH_SWEEP[1:]:
+        key = f"stages{stages}_regs{maxnreg}{'_overlap' if overlap else ''}"
+        launch = dict(tokens_per_expert=tpe, stages=stages, maxnreg=maxnreg, overlap=overlap)
         try:
-            out = gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, stages=stages, maxnreg=maxnreg)
+            out = gluon_nvfp4_grouped_gemm(x, w, offs, **launch)
             torch.cuda.synchronize()
-            sweep[key] = {"rel_err": rel_err(out, ref), "us": time_graph(lambda s=stages, m=maxnreg: (
-                gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, stages=s, maxnreg=m))) * 1e6}
+            sweep[key] = {"rel_err": rel_err(out, ref),
+                          "us": time_graph(lambda a=launch: gluon_nvfp4_grouped_gemm(x, w, offs, **a)) * 1e6}
         except Exception:  # noqa: BLE001  (a launch that does not fit, e.g. shared memory, is reported)
             sweep[key] = {"error": traceback.format_exc().strip().splitlines()[-1][:300]}
     row["gluon_sweep"] = sweep
@@ -134,7 +136,7 @@ def main():
         for k in ("gluon_error", "gluon_plain_error", "tl_error"):
             if k in r:
                 print(f"  {k}: {r[k].strip().splitlines()[-1]}")
-        print(f"  defaults {r['gluon_defaults']}; sweep (stages, maxnreg): " + ", ".join(
+        print(f"  defaults {r['gluon_defaults']}; sweep: " + ", ".join(
             f"{k}: {v['us']:.1f} us (err {v['rel_err']:.1e})" if "us" in v else f"{k}: {v['error']}"
             for k, v in r["gluon_sweep"].items()))
     print("times in us (median of CUDA-graph replays); gluon / gl plain: the Gluon kernel with the PTX / plain fp32 "

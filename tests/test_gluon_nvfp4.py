@@ -71,10 +71,11 @@ def _check(c, fast_decode, dev=torch.device("cuda"), **launch):
 @pytest.mark.gpu
 @hopper_only
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@pytest.mark.parametrize("fast_decode", [True, False], ids=["ptx-decode", "plain-decode"])
+@pytest.mark.parametrize("fast_decode,overlap", [(True, False), (False, False), (True, True)],
+                         ids=["ptx-decode", "plain-decode", "ptx-decode-overlap"])
 @given(c=gluon_cases())
-def test_gluon_nvfp4_matches_reference(fast_decode, c):
-    _check(c, fast_decode)
+def test_gluon_nvfp4_matches_reference(fast_decode, overlap, c):
+    _check(c, fast_decode, overlap=overlap)
 
 
 @pytest.mark.gpu
@@ -88,8 +89,8 @@ def test_gluon_nvfp4_benchmark_shapes(G, N, K, rows):
     c = dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False, scale=1.0,
              zero_frac=0.0, seed=1)
     _check(c, False)
-    for stages, maxnreg in gluon_nvfp4.LAUNCH_SWEEP:
-        _check(c, True, stages=stages, maxnreg=maxnreg)
+    for stages, maxnreg, overlap in gluon_nvfp4.LAUNCH_SWEEP:
+        _check(c, True, stages=stages, maxnreg=maxnreg, overlap=overlap)
 
 
 def _bad_inputs():

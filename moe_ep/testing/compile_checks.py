@@ -205,13 +205,14 @@ def fp8_prefill_configs(swiglu: bool) -> list:
 
 
 def gluon_nvfp4():
-    """(Gluon kernel, signature, constexprs, compile options) per token tile, output dtype and decode of the Hopper
-    NVFP4 GEMM, at the launch's stages and registers: built with ``GluonASTSource`` (a Gluon function is not a
-    ``triton.language`` one), for sm_90 only (:data:`SM90_ONLY`: it is wgmma code)."""
+    """(Gluon kernel, signature, constexprs, compile options) per token tile, output dtype, decode and pipeline
+    (overlap) of the Hopper NVFP4 GEMM, at the launch's stages and registers: built with ``GluonASTSource`` (a Gluon
+    function is not a ``triton.language`` one), for sm_90 only (:data:`SM90_ONLY`: it is wgmma code)."""
     checks = []
     for block_t in _gluon_nvfp4.TOKEN_TILES:
-        for out, fast in (("bf16", True), ("fp32", True), ("bf16", False)):
-            sig, const, opts = _gluon_nvfp4.compile_signature(block_t, out, fast)
+        for out, fast, overlap in (("bf16", True, False), ("fp32", True, False), ("bf16", False, False),
+                                   ("bf16", True, True)):
+            sig, const, opts = _gluon_nvfp4.compile_signature(block_t, out, fast, overlap)
             checks.append((_gluon_nvfp4._gluon_nvfp4_kernel, sig, const, opts))
     return checks
 

@@ -18,8 +18,10 @@ mbarrier:
   once the MMA is done, and at the end of the K loop multiplies by the expert's ``1 / gs`` (the reference divides
   each weight by gs: the same up to fp32 rounding) and stores the rows of this expert's tokens.
 
-The ring depth and the register budget per token tile (:func:`launch_params`) let 2-3 CTAs share an SM at the
-decode tiles: Triton's own budget for a warp-specialized kernel (256 registers a thread) admits one.
+With ``overlap``, the A buffer is doubled and a slot is freed one step late, so that each step's MMA runs while the
+next one is decoded. The ring depth and the register budget per token tile (:func:`launch_params`) let 2-3 CTAs
+share an SM at the decode tiles: Triton's own budget for a warp-specialized kernel (256 registers a thread) admits
+one.
 
 Operands are the user-visible :class:`NvFp4Tensor` as it is (linear scales, no kernel-specific packing). TMA needs
 16-byte row strides, so K must be a multiple of 256 (the scale rows are K/16 bytes), which :func:`check_gluon_nvfp4`
@@ -63,9 +65,10 @@ def launch_params(block_t: int) -> tuple[int, int | None]:
     return {8: (2, 80), 16: (2, 80), 32: (3, 128)}.get(block_t, (3, None))
 
 
-LAUNCH_SWEEP = [(None, None), (2, 80), (2, 64), (3, 128), (3, 256), (4, 128)]
-"""(stages, maxnreg) overrides that benchmarks/bench_gluon_nvfp4.py times and the GPU tests check: first the
-token tile's :func:`launch_params` (None), then others (256 registers: Triton's own budget, one CTA per SM)."""
+LAUNCH_SWEEP = [(None, None, False), (2, 80, False), (2, 64, False), (3, 128, False), (3, 256, False),
+                (4, 128, False), (2, 80, True), (2, 128, True), (3, 128, True)]
+"""(stages, maxnreg, overlap) that benchmarks/bench_gluon_nvfp4.py times and the GPU tests check: first the token
+tile's :func:`launch_params` (None), then others (256 registers: Triton's own budget, one CTA per SM)."""
 
 
 def shared_layouts(block_t: int) -> dict:
@@ -156,8 +159,9 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
               BLOCK_T: gl.constexpr, STAGES: gl.constexpr, FAST_DECODE: gl.constexpr):
     """The default warpgroup: decode each slot's codes * scales into the A buffer, free the slot, wgmma against x^T;
     then scale by 1 / gs and store this expert's rows."""
-    BN: gl.constexpr = a_smem.shape[0]
-    BK: gl.constexpr = a_smem.shape[1]
+    BN: gl.constexpr = a_smem.shape[1]
+    BK: gl.constexpr = a_smem.shape[2]
+    A_BUFFERS: gl.constexpr = a_smem.shape[0]
     # a thread holds 8 code bytes (16 values: one scale block) of a row, and the matching scale byte
     code_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
@@ -184,13 +188,22 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
                 w = _decode_fast(q, sb, code_layout)
             else:
                 w = _decode_plain(q, sb, code_layout)
-            a_smem.store(w)
+            a_buf = a_smem.index(i % A_BUFFERS)
+            a_buf.store(w)
             fence_async_shared()
             gl.thread_barrier()  # every warp's part of A is written before the MMA reads it
-            acc = warpgroup_mma(a_smem, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index(slot), count=1)
+            acc = warpgroup_mma(a_buf, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+            if A_BUFFERS == 2:  # the MMA runs on while the next slot is decoded into the other A buffer
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                # step i - 1's MMA is done: its slot is free (a chunk's first step has no step before it)
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=k0 > 0)
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(empty.index(slot), count=1)
             i += 1
+        if A_BUFFERS == 2:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
         tok = t0 + toks
         ptrs = out_ptr + tok[None, :].to(gl.int64) * N + rows[:, None]
         mask = (tok[None, :] < end) & (rows[:, None] < N)
@@ -199,7 +212,7 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
 
 @gluon.jit
 def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N, K, BLOCK_T: gl.constexpr,
-                        STAGES: gl.constexpr, FAST_DECODE: gl.constexpr):
+                        STAGES: gl.constexpr, FAST_DECODE: gl.constexpr, A_BUFFERS: gl.constexpr):
     """Program (n, g): weight rows n * 64 .. of expert g against all of g's tokens (module docstring)."""
     BN: gl.constexpr = q_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -207,7 +220,7 @@ def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N,
     s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], s_desc.layout)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, BK], x_desc.layout)
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BK], a_layout)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [A_BUFFERS, BN, BK], a_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
@@ -252,7 +265,7 @@ def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, ou
 def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, *,
                              out_dtype: torch.dtype = torch.bfloat16, tokens_per_expert: int | None = None,
                              out: torch.Tensor | None = None, fast_decode: bool = True, stages: int | None = None,
-                             maxnreg: int | None = None) -> torch.Tensor:
+                             maxnreg: int | None = None, overlap: bool = False) -> torch.Tensor:
     """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
 
     ``x``: bf16 ``[S, K]`` sorted by expert (CUDA; a contiguous copy is made of a strided one). ``w``:
@@ -263,7 +276,8 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     ``tokens_per_expert`` (default ``ceil(S / G)``) picks the token tile; an expert with more tokens takes more passes
     over its weights, never a wrong answer. ``fast_decode``: decode by the tl kernel's inline PTX (bf16x2 fma; the
     default) or by plain fp32 ops (the simpler decode, the same values). ``stages`` (ring depth, >= 1) and ``maxnreg``
-    (registers per thread, None: Triton's) override :func:`launch_params` (the benchmark sweeps them). Bad arguments
+    (registers per thread) override :func:`launch_params` (the benchmark sweeps them). ``overlap``: two A buffers, so
+    that each step's MMA runs while the next step is decoded (32 KB more shared memory; stages >= 2). Bad arguments
     raise :class:`MoEEpInputError`.
     """
     check_gluon_nvfp4(x, w, offsets, out_dtype)
@@ -287,6 +301,7 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     check(isinstance(stages, int) and 1 <= stages <= 8, "stages", stages, "an int in [1, 8]")
     check(maxnreg is None or (isinstance(maxnreg, int) and 32 <= maxnreg <= 256), "maxnreg", maxnreg,
           "None or an int in [32, 256]")
+    check(not overlap or stages >= 2, "stages", stages, ">= 2 with overlap (a slot is freed one step late)")
     x = x.contiguous()
     if x.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         x = x.clone()
@@ -301,11 +316,12 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     grid = (math.ceil(N / BLOCK_N), G)
     regs = {} if maxnreg is None else {"maxnreg": maxnreg}
     _gluon_nvfp4_kernel[grid](q_desc, s_desc, x_desc, gs, out, offsets, S, N, K, BLOCK_T=block_t, STAGES=stages,
-                              FAST_DECODE=bool(fast_decode), num_warps=4, **regs)
+                              FAST_DECODE=bool(fast_decode), A_BUFFERS=2 if overlap else 1, num_warps=4, **regs)
     return out
 
 
-def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True) -> tuple[dict, dict, dict]:
+def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True,
+                      overlap: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_kernel` at a token tile's
     :func:`launch_params`, for a GPU-less ``triton.compile`` (compile checks)."""
     stages, maxnreg = launch_params(block_t)
@@ -314,8 +330,8 @@ def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True)
            "s_desc": f"tensordesc<u8[{BLOCK_N}, {BLOCK_K // 16}],{lay['scales']!r}>",
            "x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "gs_ptr": "*fp32", "out_ptr": f"*{out}", "offs_ptr": "*i32", "S": "i32", "N": "i32", "K": "i32",
-           "BLOCK_T": "constexpr", "STAGES": "constexpr", "FAST_DECODE": "constexpr"}
-    return (sig, {"BLOCK_T": block_t, "STAGES": stages, "FAST_DECODE": fast_decode},
+           "BLOCK_T": "constexpr", "STAGES": "constexpr", "FAST_DECODE": "constexpr", "A_BUFFERS": "constexpr"}
+    return (sig, {"BLOCK_T": block_t, "STAGES": stages, "FAST_DECODE": fast_decode, "A_BUFFERS": 2 if overlap else 1},
             dict(num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
