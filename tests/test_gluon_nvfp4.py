@@ -106,6 +106,11 @@ def _bad_inputs():
         ("offsets int64", lambda a: dict(a, offsets=torch.zeros(3, dtype=torch.int64)), "offsets.dtype"),
         ("offsets length", lambda a: dict(a, offsets=torch.zeros(2, dtype=torch.int32)), "offsets.shape"),
         ("out fp16", lambda a: dict(a, out_dtype=torch.float16), "out_dtype"),
+        ("no stages", lambda a: dict(a, stages=0), "stages"),
+        ("too few registers", lambda a: dict(a, maxnreg=16), "maxnreg"),
+        ("overlap on one stage", lambda a: dict(a, stages=1, overlap=True), "stages"),
+        ("overlap not a bool", lambda a: dict(a, overlap="yes"), "overlap"),
+        ("no tokens per expert", lambda a: dict(a, tokens_per_expert=0), "tokens_per_expert"),
         ("x on the CPU", lambda a: dict(a), "x.device"),  # valid otherwise: only a CUDA device is refused for
     ]
 

@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...errors import check
 from ..nvfp4_tensor import NvFp4Tensor
@@ -238,7 +239,9 @@ def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N,
         mbarrier.invalidate(empty.index(j))
 
 
-def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> None:
+def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
+                      stages: int | None = None, maxnreg: int | None = None, overlap: bool = False,
+                      tokens_per_expert: int | None = None) -> None:
     """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_nvfp4_grouped_gemm` takes."""
     check(isinstance(w, NvFp4Tensor), "type(w)", type(w).__name__, "an NvFp4Tensor [G, N, K]")
     w.check("w")
@@ -256,6 +259,15 @@ def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, ou
           getattr(offsets, "dtype", type(offsets).__name__), "torch.int32")
     check(tuple(offsets.shape) == (G + 1, ), "offsets.shape", tuple(offsets.shape), f"({G + 1},) (G + 1)")
     check(out_dtype in (torch.float32, torch.bfloat16), "out_dtype", out_dtype, "torch.float32 or torch.bfloat16")
+    check(stages is None or (isinstance(stages, int) and 1 <= stages <= 8), "stages", stages,
+          "None or an int in [1, 8]")
+    check(maxnreg is None or (isinstance(maxnreg, int) and 32 <= maxnreg <= 256), "maxnreg", maxnreg,
+          "None or an int in [32, 256]")
+    check(overlap in (False, True), "overlap", overlap, "True or False")
+    check(tokens_per_expert is None or (isinstance(tokens_per_expert, int) and tokens_per_expert > 0),
+          "tokens_per_expert", tokens_per_expert, "None or a positive int")
+    check(not overlap or stages is None or stages >= 2, "stages", stages,
+          ">= 2 with overlap (a slot is freed a step late)")
     check(x.shape[0] < 2**31, "x.shape[0] (S)", x.shape[0], "< 2^31")
     check(x.device == w.device and x.device.type == "cuda", "x.device", str(x.device),
           f"a CUDA device, the weights' ({w.device})")
@@ -280,7 +292,7 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     that each step's MMA runs while the next step is decoded (32 KB more shared memory; stages >= 2). Bad arguments
     raise :class:`MoEEpInputError`.
     """
-    check_gluon_nvfp4(x, w, offsets, out_dtype)
+    check_gluon_nvfp4(x, w, offsets, out_dtype, stages, maxnreg, overlap, tokens_per_expert)
     G, N, K = w.shape
     S = x.shape[0]
     if out is None:
@@ -298,10 +310,6 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     default_stages, default_regs = launch_params(block_t)
     stages = default_stages if stages is None else stages
     maxnreg = default_regs if maxnreg is None else maxnreg
-    check(isinstance(stages, int) and 1 <= stages <= 8, "stages", stages, "an int in [1, 8]")
-    check(maxnreg is None or (isinstance(maxnreg, int) and 32 <= maxnreg <= 256), "maxnreg", maxnreg,
-          "None or an int in [32, 256]")
-    check(not overlap or stages >= 2, "stages", stages, ">= 2 with overlap (a slot is freed one step late)")
     x = x.contiguous()
     if x.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         x = x.clone()
@@ -309,7 +317,6 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     scales = w.scales.contiguous().view(torch.uint8).view(G * N, K // 16)
     gs = w.global_scale.reshape(-1).float().expand(G).contiguous()
     lay = shared_layouts(block_t)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     q_desc = TensorDescriptor.from_tensor(codes, [BLOCK_N, BLOCK_K // 2], lay["codes"])
     s_desc = TensorDescriptor.from_tensor(scales, [BLOCK_N, BLOCK_K // 16], lay["scales"])
     x_desc = TensorDescriptor.from_tensor(x, [block_t, BLOCK_K], lay["x"])
