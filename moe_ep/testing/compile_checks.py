@@ -8,6 +8,7 @@ from ..kernels import bridge as _bridge
 from ..kernels import fp8 as _fp8
 from ..kernels import nvfp4 as _nvfp4
 from ..kernels.grouped_gemm import fp4_decode as _fp4_decode
+from ..kernels.grouped_gemm import gluon_nvfp4 as _gluon_nvfp4
 from ..kernels.grouped_gemm import kernels as _gg_kernels
 
 
@@ -203,5 +204,22 @@ def fp8_prefill_configs(swiglu: bool) -> list:
             and not (swiglu and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 128)]
 
 
-TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm}
+def gluon_nvfp4():
+    """(Gluon kernel, signature, constexprs, compile options) per token tile, output dtype, decode and pipeline
+    (overlap) of the Hopper NVFP4 GEMM, at the launch's stages and registers: built with ``GluonASTSource`` (a Gluon
+    function is not a ``triton.language`` one), for sm_90 only (:data:`SM90_ONLY`: it is wgmma code)."""
+    checks = []
+    for block_t in _gluon_nvfp4.TOKEN_TILES:
+        for out, fast, overlap in (("bf16", True, False), ("fp32", True, False), ("bf16", False, False),
+                                   ("bf16", True, True)):
+            sig, const, opts = _gluon_nvfp4.compile_signature(block_t, out, fast, overlap)
+            checks.append((_gluon_nvfp4._gluon_nvfp4_kernel, sig, const, opts))
+    return checks
+
+
+TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm,
+          "gluon_nvfp4": gluon_nvfp4}
 """Kernel module -> its variants."""
+
+SM90_ONLY = {"gluon_nvfp4"}
+"""Kernel modules built for sm_90 alone (Hopper-only instructions): the sm_100 build says so instead of building."""
