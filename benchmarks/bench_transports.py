@@ -111,7 +111,7 @@ def picked(w, ids):
 
 def by_id(ids, w):
     """A row's (id, weight) pairs sorted by id: the picks as a set, whatever order a transport keeps them in."""
-    order = ids.argsort(-1, stable=True)
+    order = ids.argsort(dim=-1, stable=True)
     return ids.gather(-1, order), w.gather(-1, order)
 
 

@@ -53,14 +53,20 @@ def _operands(c, dev):
     return x, w, torch.tensor(offs, dtype=torch.int32, device=dev), offs[-1]
 
 
-def _check(c, fast_decode, dev=torch.device("cuda"), **launch):
+def _problem(c, dev=torch.device("cuda")):
+    """The operands and the fp32 reference of case c (made once: at the benchmark's sizes they dominate a check)."""
     x, w, offsets, covered = _operands(c, dev)
-    out = torch.full((x.shape[0], c["N"]), float("nan"), dtype=c["out_dtype"], device=dev)  # poisoned
+    ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets)
+    return x, w, offsets, covered, ref[:covered]
+
+
+def _check(c, fast_decode, problem=None, **launch):
+    x, w, offsets, covered, r = _problem(c) if problem is None else problem
+    out = torch.full((x.shape[0], c["N"]), float("nan"), dtype=c["out_dtype"], device=x.device)  # poisoned
     got = gluon_nvfp4.gluon_nvfp4_grouped_gemm(x, w, offsets, out_dtype=c["out_dtype"], tokens_per_expert=c["hint"],
                                                out=out, fast_decode=fast_decode, **launch)
     assert got is out
-    ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets)
-    o, r = out[:covered].float(), ref[:covered]
+    o = out[:covered].float()
     assert torch.isfinite(o).all()
     tol = FP32_TOL if c["out_dtype"] == torch.float32 else BF16_TOL
     err = (o - r).norm().item()
@@ -88,9 +94,10 @@ def test_gluon_nvfp4_benchmark_shapes(G, N, K, rows):
     and the ring depths and register budgets the benchmark sweeps."""
     c = dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False, scale=1.0,
              zero_frac=0.0, seed=1)
-    _check(c, False)
+    problem = _problem(c)
+    _check(c, False, problem)
     for stages, maxnreg, overlap in gluon_nvfp4.LAUNCH_SWEEP:
-        _check(c, True, stages=stages, maxnreg=maxnreg, overlap=overlap)
+        _check(c, True, problem, stages=stages, maxnreg=maxnreg, overlap=overlap)
 
 
 def _bad_inputs():
