@@ -284,32 +284,45 @@ def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, 
     M = math.prod(idx.shape[:-1])
     dev = idx.device
     C, LP = _route_chunks(M * K, L)[1:]
-    ints = (L, L + 1) if index_dtype is torch.int32 else ()
-    # the int32 parts (and the chunked launches' histograms) in one allocation: one torch op, not one per part
-    *counters, slot, row_of_slot, hist = _pieces((*ints, M * K, 0 if pad_rows else M * K, C * LP if C > 1 else 0),
-                                                 torch.int32, dev)
-    counts, offsets = counters if ints else _pieces((L, L + 1), index_dtype, dev)
+    # the int32 parts (and the chunked launches' histograms) cut from one allocation: two torch ops, not one per part
+    sizes = [M * K] if pad_rows else [M * K, M * K]  # slot (and row_of_slot)
+    if index_dtype is torch.int32:
+        sizes += [L, L + 1]
+    if C > 1:
+        sizes.append(C * LP)
+    pieces = iter(_pieces(sizes, torch.int32, dev))
+    slot = next(pieces).view(M, K)
+    row_of_slot = None if pad_rows else next(pieces)
+    counts, offsets = (next(pieces), next(pieces)) if index_dtype is torch.int32 else _pieces((L, L + 1), index_dtype,
+                                                                                               dev)
+    hist = next(pieces, None)
     slot_weight = None
     if weights is not None:
         slot_weight = torch.empty(L * pad_rows if pad_rows else M * K, dtype=torch.float32, device=dev)
-    route = Route._made(counts, offsets, slot.view(M, K), None if pad_rows else row_of_slot, slot_weight)
+    route = Route._made(counts, offsets, slot, row_of_slot, slot_weight)
     if M * K == 0:
         offsets.zero_()
         counts.zero_()
     else:
         _launch_route(idx, valid_rows, rows_per_group, L, route, pad_rows=pad_rows, weights=weights,
-                      scratch={"hist": hist})
+                      scratch=None if hist is None else {"hist": hist})
     return route
 
 
-def _pieces(sizes: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
+def _pieces(sizes, dtype: torch.dtype, device) -> list[torch.Tensor]:
     """1-D tensors of ``sizes`` elements cut from one new allocation (two torch ops in all), each starting on a
-    16-byte boundary as a tensor of its own would (what the kernels' compiled variants are specialized on)."""
+    16-byte boundary as a tensor of its own would (what the kernels' compiled variants are specialized on): a
+    size that is no multiple of 16 bytes is followed by a padding piece, left out."""
     per16 = 16 // dtype.itemsize
-    cuts = []
+    cuts, keep = [], []
     for n in sizes:
-        cuts += [n, -n % per16]
-    return list(torch.empty(sum(cuts), dtype=dtype, device=device).split(cuts)[::2])
+        keep.append(len(cuts))
+        cuts.append(n)
+        if n % per16:
+            cuts.append(per16 - n % per16)
+    # torch.split_with_sizes itself: Tensor.split's Python wrapper costs more than the op
+    cut = torch.split_with_sizes(torch.empty(sum(cuts), dtype=dtype, device=device), cuts)
+    return [cut[i] for i in keep]
 
 
 def _route_chunks(N: int, L: int) -> tuple[int, int, int]:
