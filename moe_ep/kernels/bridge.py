@@ -410,13 +410,15 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
         fail("quantize", quantize, "True or False")
     if isinstance(x, (NvFp4Tensor, Fp8Tensor)):
         x.check("x")
-        if len(x.shape) != 2 or (x.swizzled if isinstance(x, NvFp4Tensor) else x.block_rows != 1):
-            fail("x", f"{type(x).__name__} {tuple(x.shape)} " + (f"swizzled={x.swizzled}" if isinstance(x, NvFp4Tensor)
-                 else f"block_rows={x.block_rows}"), f"an {type(x).__name__} [M, H] with "
-                 + ("linear scales" if isinstance(x, NvFp4Tensor) else "block_rows 1"))
+        kind, nvfp4 = type(x).__name__, isinstance(x, NvFp4Tensor)
+        per_row = not x.swizzled if nvfp4 else x.block_rows == 1  # scales per row: the row parts gathered
+        if len(x.shape) != 2 or not per_row:
+            got = f"swizzled={x.swizzled}" if nvfp4 else f"block_rows={x.block_rows}"
+            fail("x", f"{kind} {tuple(x.shape)} {got}",
+                 f"an {kind} [M, H] with " + ("linear scales" if nvfp4 else "block_rows 1"))
         if quantize or out is not None or nvfp4_global_scale is not None:
             fail("quantize / out / nvfp4_global_scale", (quantize, type(out).__name__, type(nvfp4_global_scale).__name__),
-                 f"False / None / None with an {type(x).__name__} x (it is gathered as it is)")
+                 f"False / None / None with an {kind} x (it is gathered as it is)")
         _check_rows(x.shape[0], M, x.data, route)
         return _permute(x, route)
     if not isinstance(x, torch.Tensor):
