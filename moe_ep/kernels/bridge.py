@@ -290,12 +290,10 @@ def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, 
         sizes += [L, L + 1]
     if C > 1:
         sizes.append(C * LP)
-    pieces = iter(_pieces(sizes, torch.int32, dev))
-    slot = next(pieces).view(M, K)
-    row_of_slot = None if pad_rows else next(pieces)
-    counts, offsets = (next(pieces), next(pieces)) if index_dtype is torch.int32 else _pieces((L, L + 1), index_dtype,
-                                                                                               dev)
-    hist = next(pieces, None)
+    p, n = _pieces(sizes, torch.int32, dev), 1 if pad_rows else 2
+    slot, row_of_slot = p[0].view(M, K), None if pad_rows else p[1]
+    counts, offsets = (p[n], p[n + 1]) if index_dtype is torch.int32 else _pieces((L, L + 1), index_dtype, dev)
+    hist = p[-1] if C > 1 else None
     slot_weight = None
     if weights is not None:
         slot_weight = torch.empty(L * pad_rows if pad_rows else M * K, dtype=torch.float32, device=dev)
@@ -314,15 +312,15 @@ def _pieces(sizes, dtype: torch.dtype, device) -> list[torch.Tensor]:
     16-byte boundary as a tensor of its own would (what the kernels' compiled variants are specialized on): a
     size that is no multiple of 16 bytes is followed by a padding piece, left out."""
     per16 = 16 // dtype.itemsize
-    cuts, keep = [], []
-    for n in sizes:
-        keep.append(len(cuts))
-        cuts.append(n)
-        if n % per16:
-            cuts.append(per16 - n % per16)
+    cuts, keep, i = [], [], 0
+    for n in sizes:  # (operators, not calls: this is on every forward's host path)
+        pad = -n % per16
+        cuts += (n, pad) if pad else (n,)
+        keep += (i,)
+        i += 2 if pad else 1
     # torch.split_with_sizes itself: Tensor.split's Python wrapper costs more than the op
     cut = torch.split_with_sizes(torch.empty(sum(cuts), dtype=dtype, device=device), cuts)
-    return [cut[i] for i in keep]
+    return cut if i == len(keep) else [cut[j] for j in keep]
 
 
 def _route_chunks(N: int, L: int) -> tuple[int, int, int]:
