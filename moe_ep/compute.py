@@ -14,7 +14,8 @@ past the counts cannot touch a valid row's codes.
 
 FP8 weights (DESIGN.md, FP8): tokens that arrive as an ``Fp8Tensor`` (``block_rows`` 1, one scale per token per
 128 channels) are taken as they are; bf16 tokens are quantized here, after dispatch, by the same per-token rule
-(``quantize_fp8(x, 1)``), and the bridge gathers FP8 rows and scales as they are. FP8 weights do not take NVFP4
+(``quantize_fp8(x, 1)``), and the bridge gathers FP8 rows and scales as they are (each payload's row parts,
+``moe_ep.kernels.row_parts``, one code path for every format). FP8 weights do not take NVFP4
 activations, nor FP8 tokens other weights: both raise :class:`~moe_ep.MoEEpInputError`.
 """
 
@@ -26,7 +27,7 @@ from .config import EpConfig, Format
 from .errors import fail
 from .kernels import expert_mlp
 from .kernels.bridge import _permute, _route, _unpermute
-from .kernels.fp8 import FP8_BLOCK, Fp8Tensor, quantize_fp8
+from .kernels.fp8 import Fp8Tensor, quantize_fp8
 from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from .layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                               LowLatencyRankMajor)
@@ -54,17 +55,6 @@ def activations(x, nvfp4: bool, static_global_scale: float | None, fp8_weights: 
     return x
 
 
-def _flat(tokens, M: int, H: int):
-    """Tokens ``[..., H]`` as ``M`` rows (an NvFp4Tensor's per-row global scales, an Fp8Tensor's scales come along)."""
-    if isinstance(tokens, Fp8Tensor):
-        return Fp8Tensor(tokens.data.reshape(M, H), tokens.scales.reshape(M, -(-H // FP8_BLOCK)), tokens.block_rows)
-    if not isinstance(tokens, NvFp4Tensor):
-        return tokens.reshape(M, H)
-    gs = tokens.global_scale
-    return NvFp4Tensor(tokens.data.reshape(M, H // 2), tokens.scales.reshape(M, H // 16),
-                       gs.reshape(M) if gs.numel() > 1 else gs, torch.Size((M, H)))
-
-
 def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, config: EpConfig,
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[L, R*T, H]`` -> ``[L, R*T, H]``: masked MLP, rows past ``expert_counts`` untouched."""
@@ -73,43 +63,50 @@ def ll_expert_major(d: LowLatencyExpertMajor, w: ExpertWeights, config: EpConfig
 
 def bridged_mlp(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w: ExpertWeights, valid_rows=None,
                 rows_per_group: int | None = None, tokens_per_expert: int | None = None) -> torch.Tensor:
-    """Route the ``[M, K]`` picks (local ids; others skipped), permute ``x``'s ``M`` rows (bf16, NVFP4 or FP8), ragged
-    MLP, weighted unpermute-reduce (fp32 sums) -> bf16 ``[M, H]`` (``valid_rows`` / ``rows_per_group``: see
-    ``route_experts``)."""
-    K = topk_idx.shape[-1]
-    M = topk_idx.numel() // K
-    if topk_idx.dim() != 2:
-        topk_idx, topk_weights = topk_idx.reshape(M, K), topk_weights.reshape(M, K)
+    """Route the ``[..., K]`` picks (local ids; others skipped), permute ``x``'s rows ``[..., H]`` (bf16, NVFP4 or FP8;
+    one per pick row, row dims flattened), ragged MLP, weighted unpermute-reduce (fp32 sums) -> bf16 ``[..., H]`` (the
+    picks' row dims; ``valid_rows`` / ``rows_per_group``: see ``route_experts``, a 0-d ``valid_rows`` is one group).
+    The picks' row dims stay as they are: the bridge's kernels index rows flat, so no reshape op is spent."""
     # the bridge's unchecked entries: the layout contract (or fused_moe's routing checks) checked these tensors
     valid = valid_rows.contiguous() if valid_rows is not None else None
     route = _route(topk_idx.contiguous(), w.num_local_experts, valid, rows_per_group or 1)
     y = expert_mlp(_permute(x, route), w.w13, w.w2, offsets=route.offsets, m_hint=tokens_per_expert)
-    out = torch.empty(M, y.shape[-1], dtype=torch.bfloat16, device=y.device)
+    out = torch.empty(*topk_idx.shape[:-1], y.shape[-1], dtype=torch.bfloat16, device=y.device)
     return _unpermute(y, route.slot, topk_weights.contiguous(), out)
 
 
 def ll_rank_major(d: LowLatencyRankMajor, w: ExpertWeights, config: EpConfig,
                   tokens_per_expert: int | None) -> torch.Tensor:
     """``[R, T, H]`` + local ``topk_idx [R, T, K]`` -> ``[R, T, H]`` (weighted sum over local picks)."""
-    R, T = d.topk_idx.shape[0], d.topk_idx.shape[1]
-    x = _tokens(_flat(d.tokens, R * T, d.tokens.shape[-1]), config, w)
-    out = bridged_mlp(x, d.topk_idx, d.topk_weights, w, d.src_rank_counts, T, tokens_per_expert)
-    return out.reshape(R, T, -1)
+    return bridged_mlp(_tokens(d.tokens, config, w), d.topk_idx, d.topk_weights, w, d.src_rank_counts,
+                       d.topk_idx.shape[1], tokens_per_expert)
 
 
 def ht_flat(d: HighThroughputFlat, w: ExpertWeights, config: EpConfig, tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` + local ``topk_idx [S, K]`` -> ``[S, H]`` (weighted sum over local picks; rows past num_recv 0)."""
     S = d.topk_idx.shape[0]
-    return bridged_mlp(_tokens(d.tokens, config, w), d.topk_idx, d.topk_weights, w, d.num_recv.reshape(1), max(S, 1),
+    return bridged_mlp(_tokens(d.tokens, config, w), d.topk_idx, d.topk_weights, w, d.num_recv, max(S, 1),
                        tokens_per_expert)
 
 
 def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, config: EpConfig,
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
-    offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
-    return expert_mlp(_tokens(d.tokens, config, w), w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(),
+    return expert_mlp(_tokens(d.tokens, config, w), w.w13, w.w2, offsets=_gemm_offsets(d), row_scale=d.topk_weights.float(),
                       m_hint=tokens_per_expert)
+
+
+def _gemm_offsets(d: HighThroughputExpertMajor) -> torch.Tensor:
+    """The GEMM's ``offsets [L+1]``: the contract's ``expert_offsets [L]`` and the end of the last expert's slots. A
+    transport that holds them in one buffer, ``num_recv`` the element right after ``expert_offsets`` (world_one's
+    route does), gives them as one view of it (one torch op, not four)."""
+    eo, n = d.expert_offsets, d.num_recv
+    L = eo.shape[0]
+    if (n.dim() == 0 and eo.dim() == 1 and eo.stride(0) == 1 and n.dtype is eo.dtype and n.device == eo.device
+            and n.untyped_storage().data_ptr() == eo.untyped_storage().data_ptr()
+            and n.storage_offset() == eo.storage_offset() + L):
+        return eo.as_strided((L + 1,), (1,))
+    return torch.cat([eo, eo[-1:] + d.expert_counts[-1:]])
 
 
 COMPUTE = {LowLatencyExpertMajor: ll_expert_major, LowLatencyRankMajor: ll_rank_major, HighThroughputFlat: ht_flat,

@@ -19,6 +19,7 @@ import torch
 
 from moe_ep.errors import MoEEpInputError
 from moe_ep.kernels.bridge import Route, permute_rows, route_experts, scatter_rows, unpermute_reduce
+from moe_ep.kernels.fp8 import quantize_fp8
 from moe_ep.kernels.nvfp4 import (NvFp4Tensor, dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale,
                                   quantize_nvfp4, swizzle_scales, unswizzle_scales)
 
@@ -370,6 +371,10 @@ CASES = [
     ("permute_nvfp4_and_quantize", lambda d: permute_rows(q4(d), route(d), quantize=True), Raises(I, "quantize")),
     ("permute_nvfp4_swizzled", lambda d: permute_rows(q4(d, swizzle=True), route(d)), Raises(I, "linear scales")),
     ("permute_nvfp4_fewer_rows", lambda d: permute_rows(q4(d, 3), route(d)), Raises(I, "x.shape[0]")),
+    ("permute_fp8_weight_blocks", lambda d: permute_rows(quantize_fp8(torch.randn(4, 128, device=d), 128), route(d)),
+     Raises(I, "block_rows 1")),
+    ("permute_fp8_and_out", lambda d: permute_rows(quantize_fp8(torch.randn(4, 128, device=d), 1), route(d),
+                                                   out=torch.empty(8, 128, device=d)), Raises(I, "Fp8Tensor x")),
     ("permute_stale_route_reads_nothing_past_x", permute_stale_route, Exactly(permute_stale_route_expected)),
     # unpermute_reduce
     ("unpermute_1d_y", lambda d: unpermute_reduce(torch.randn(64, device=d), route(d)), Raises(I, "y.shape")),

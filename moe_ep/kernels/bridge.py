@@ -29,6 +29,7 @@ past the end of ``y`` in :func:`unpermute_reduce` makes its row NaN (never read 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from numbers import Integral
 
@@ -41,6 +42,7 @@ from ..triton_runtime import INTERPRETER, check_on_kernel_device
 from . import autotuning, host_math, launch_cache
 from .fp8 import Fp8Tensor
 from .nvfp4 import NvFp4Tensor, gather_quantize_nvfp4, nan_f32
+from .row_parts import row_parts, with_row_parts
 
 _ROUTE_CHUNK = 1024  # ids per program when a route takes several (a power of two)
 _ROUTE_ONE_LAUNCH = 4096  # up to this many ids one program does it all: one launch for decode-sized routes
@@ -274,15 +276,24 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
 
 def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, pad_rows: int = 0,
            weights: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> Route:
-    """:func:`route_experts` on arguments its caller has checked (contiguous ``idx [M, K]``; ``pad_rows`` 0:
-    ragged), its buffers allocated here. ``index_dtype`` int64: ``counts`` and ``offsets`` written as int64 (what
-    HT EXPERT_MAJOR's contract holds; such a route is for this package's own use: :class:`Route` is int32)."""
-    M, K = idx.shape
+    """:func:`route_experts` on arguments its caller has checked (contiguous ``idx [..., K]``, its rows flattened;
+    ``pad_rows`` 0: ragged), its buffers allocated here. ``index_dtype`` int64: ``counts`` and ``offsets`` written
+    as int64 (what HT EXPERT_MAJOR's contract holds; such a route is for this package's own use: :class:`Route` is
+    int32)."""
+    K = idx.shape[-1]
+    M = math.prod(idx.shape[:-1])
     dev = idx.device
-    counts = torch.empty(L, dtype=index_dtype, device=dev)
-    offsets = torch.empty(L + 1, dtype=index_dtype, device=dev)
-    slot = torch.empty(M, K, dtype=torch.int32, device=dev)
-    row_of_slot = None if pad_rows else torch.empty(M * K, dtype=torch.int32, device=dev)
+    C, LP = _route_chunks(M * K, L)[1:]
+    # the int32 parts (and the chunked launches' histograms) cut from one allocation: two torch ops, not one per part
+    sizes = [M * K] if pad_rows else [M * K, M * K]  # slot (and row_of_slot)
+    if index_dtype is torch.int32:
+        sizes += [L, L + 1]
+    if C > 1:
+        sizes.append(C * LP)
+    p, n = _pieces(sizes, torch.int32, dev), 1 if pad_rows else 2
+    slot, row_of_slot = p[0].view(M, K), None if pad_rows else p[1]
+    counts, offsets = (p[n], p[n + 1]) if index_dtype is torch.int32 else _pieces((L, L + 1), index_dtype, dev)
+    hist = p[-1] if C > 1 else None
     slot_weight = None
     if weights is not None:
         slot_weight = torch.empty(L * pad_rows if pad_rows else M * K, dtype=torch.float32, device=dev)
@@ -291,22 +302,45 @@ def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, 
         offsets.zero_()
         counts.zero_()
     else:
-        _launch_route(idx, valid_rows, rows_per_group, L, route, pad_rows=pad_rows, weights=weights)
+        _launch_route(idx, valid_rows, rows_per_group, L, route, pad_rows=pad_rows, weights=weights,
+                      scratch=None if hist is None else {"hist": hist})
     return route
+
+
+def _pieces(sizes, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """1-D tensors of ``sizes`` elements cut from one new allocation (two torch ops in all), each starting on a
+    16-byte boundary as a tensor of its own would (what the kernels' compiled variants are specialized on): a
+    size that is no multiple of 16 bytes is followed by a padding piece, left out."""
+    per16 = 16 // dtype.itemsize
+    cuts, keep, i = [], [], 0
+    for n in sizes:  # (operators, not calls: this is on every forward's host path)
+        pad = -n % per16
+        cuts += (n, pad) if pad else (n,)
+        keep += (i,)
+        i += 2 if pad else 1
+    # torch.split_with_sizes itself: Tensor.split's Python wrapper costs more than the op
+    cut = torch.split_with_sizes(torch.empty(sum(cuts), dtype=dtype, device=device), cuts)
+    return cut if i == len(keep) else [cut[j] for j in keep]
+
+
+def _route_chunks(N: int, L: int) -> tuple[int, int, int]:
+    """(ids per program, programs, histogram bins) of a route of ``N`` ids into ``L`` experts: one program for up
+    to ``_ROUTE_ONE_LAUNCH`` ids, else chunks of ``_ROUTE_CHUNK``; bins for the L experts and "not here"."""
+    chunk = max(16, host_math.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
+    return chunk, host_math.cdiv(N, chunk), host_math.next_power_of_2(L + 1)
 
 
 def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warps: int | None = None, *,
                   pad_rows: int = 0, weights: torch.Tensor | None = None, scratch: dict | None = None) -> None:
-    """The route kernels for contiguous ``idx [M, K]`` into ``out``'s buffers: one launch up to
+    """The route kernels for contiguous ``idx [..., K]`` into ``out``'s buffers: one launch up to
     ``_ROUTE_ONE_LAUNCH`` ids, else histogram then place over chunks (each placing program scans the histograms).
     ``warps``: the launch width (default: the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it).
     ``pad_rows`` > 0: padded expert-major slots (``route_experts(padded_rows=)``; ``out.row_of_slot`` is not written); ``weights``: contiguous ``[M, K]``, written
     per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]``
     histograms in between calls (a caller that routes the same shape again). No checks: the caller's."""
-    M, K = idx.shape
-    N, dev, has_valid = M * K, idx.device, valid_rows is not None
-    chunk = max(16, host_math.next_power_of_2(N)) if N <= _ROUTE_ONE_LAUNCH else _ROUTE_CHUNK
-    C, LP = host_math.cdiv(N, chunk), host_math.next_power_of_2(L + 1)
+    K = idx.shape[-1]
+    N, dev, has_valid = idx.numel(), idx.device, valid_rows is not None
+    chunk, C, LP = _route_chunks(N, L)
     if warps is None:  # wide chunks keep more ids in flight with 8 warps; measured in docs/PERF.md
         warps = 8 if chunk >= 1024 else 4
     counts, offsets, slot = out.counts, out.offsets, out.slot
@@ -322,7 +356,7 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
                             *place, ONE_CHUNK=True, **flags)
     else:
         hist = scratch.get("hist") if scratch is not None else None
-        if hist is None:
+        if hist is None or hist.numel() < C * LP:
             hist = torch.empty(C, LP, dtype=torch.int32, device=dev)
             if scratch is not None:
                 scratch["hist"] = hist
@@ -341,10 +375,10 @@ def _gather_configs():
 
 @triton.autotune(configs=_gather_configs(), key=["H"])
 @triton.jit
-def _gather_rows_kernel(x_ptr, row_ptr, total_ptr, out_ptr, N, M_X, H, stride_x,
+def _gather_rows_kernel(x_ptr, row_ptr, offsets_ptr, TOTAL_AT, out_ptr, N, M_X, H, stride_x,
                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_m = tl.program_id(0)
-    total = tl.load(total_ptr)
+    total = tl.load(offsets_ptr + TOTAL_AT)  # the route's offsets[L]: the valid slots
     if pid_m * BLOCK_M < total:  # programs past the valid slots do nothing
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -372,23 +406,17 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
     M = route.slot.shape[0]
     if not isinstance(quantize, bool):
         fail("quantize", quantize, "True or False")
-    if isinstance(x, NvFp4Tensor):
+    if isinstance(x, (NvFp4Tensor, Fp8Tensor)):
         x.check("x")
-        if len(x.shape) != 2 or x.swizzled:
-            fail("x", f"NvFp4Tensor {tuple(x.shape)} swizzled={x.swizzled}", "an NvFp4Tensor [M, H] with linear scales")
+        kind, nvfp4 = type(x).__name__, isinstance(x, NvFp4Tensor)
+        per_row = not x.swizzled if nvfp4 else x.block_rows == 1  # scales per row: the row parts gathered
+        if len(x.shape) != 2 or not per_row:
+            got = f"swizzled={x.swizzled}" if nvfp4 else f"block_rows={x.block_rows}"
+            fail("x", f"{kind} {tuple(x.shape)} {got}",
+                 f"an {kind} [M, H] with " + ("linear scales" if nvfp4 else "block_rows 1"))
         if quantize or out is not None or nvfp4_global_scale is not None:
             fail("quantize / out / nvfp4_global_scale", (quantize, type(out).__name__, type(nvfp4_global_scale).__name__),
-                 "False / None / None with an NvFp4Tensor x (it is gathered as it is)")
-        _check_rows(x.shape[0], M, x.data, route)
-        return _permute(x, route)
-    if isinstance(x, Fp8Tensor):
-        x.check("x")
-        if len(x.shape) != 2 or x.block_rows != 1:
-            fail("x", f"Fp8Tensor {tuple(x.shape)} block_rows={x.block_rows}", "an Fp8Tensor [M, H] with block_rows 1")
-        if quantize or out is not None or nvfp4_global_scale is not None:
-            fail("quantize / out / nvfp4_global_scale", (quantize, type(out).__name__,
-                                                          type(nvfp4_global_scale).__name__),
-                 "False / None / None with an Fp8Tensor x (it is gathered as it is)")
+                 f"False / None / None with an {kind} x (it is gathered as it is)")
         _check_rows(x.shape[0], M, x.data, route)
         return _permute(x, route)
     if not isinstance(x, torch.Tensor):
@@ -410,16 +438,9 @@ def permute_rows(x, route: Route, *, nvfp4_global_scale=None, quantize: bool = F
 
 
 def _permute(x, route: Route):
-    """:func:`permute_rows` (no quantize, no ``out``) on checked arguments: a tensor, or an NvFp4Tensor's packed rows,
-    scales and global scales (one, or one per row), or an Fp8Tensor's codes and scales, gathered as they are."""
-    if isinstance(x, Fp8Tensor):
-        return Fp8Tensor(_gather(x.data.view(torch.uint8), route).view(torch.float8_e4m3fn), _gather(x.scales, route), 1)
-    if not isinstance(x, NvFp4Tensor):
-        return _gather(x, route)
-    gs = x.global_scale.reshape(-1)
-    gs = _gather(gs.reshape(-1, 1), route).reshape(-1) if gs.numel() > 1 else gs
-    return NvFp4Tensor(_gather(x.data, route), _gather(x.scales.view(torch.uint8), route).view(x.scales.dtype), gs,
-                       torch.Size((route.row_of_slot.shape[0], x.shape[1])))
+    """:func:`permute_rows` (no quantize, no ``out``) on checked arguments: a tensor, an NvFp4Tensor or an
+    Fp8Tensor, each of its row parts (``moe_ep.kernels.row_parts``; any row dims, flattened) gathered as it is."""
+    return with_row_parts(x, [_gather(p, route) for p in row_parts(x)])
 
 
 def _check_rows(m: int, route_m: int, t: torch.Tensor, route: Route) -> None:
@@ -431,9 +452,23 @@ def _check_rows(m: int, route_m: int, t: torch.Tensor, route: Route) -> None:
         fail("x.device", str(t.device), f"{route.slot.device} (the route's device)")
 
 
+def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``t [..., H]`` as the kernels index it: (a tensor with unit column stride, its rows, its row stride). ``t``
+    itself when it is 2-D with unit column stride or contiguous (no torch op), else a 2-D copy."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t, t.shape[0], t.stride(0)
+    if t.is_contiguous():
+        return t, math.prod(t.shape[:-1]), t.shape[-1]
+    t = t.reshape(-1, t.shape[-1])
+    if t.stride(1) != 1:
+        t = t.contiguous()
+    return t, t.shape[0], t.stride(0)
+
+
 def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[slot] = x[row_of_slot[slot]]`` for the valid slots of ``route``, any dtype, ``x [M, H]``."""
-    N, H = route.row_of_slot.shape[0], x.shape[1]
+    """``out[slot] = x[row_of_slot[slot]]`` for the valid slots of ``route``, any dtype, ``x [..., H]`` (rows
+    flattened)."""
+    N, H = route.row_of_slot.shape[0], x.shape[-1]
     if out is None:
         out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     else:
@@ -444,10 +479,11 @@ def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> t
         if out.dtype != x.dtype or out.device != x.device:
             fail("out", f"{out.dtype} on {out.device}", f"{x.dtype} on {x.device} (x's)")
     if N and H:
-        x2 = x if x.stride(1) == 1 else x.contiguous()
+        x2, m_x, stride = _as_rows(x)
+        offsets = route.offsets  # the kernel reads offsets[L] where it lies: no slice op
         grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot.contiguous(), route.offsets[-1:], out,
-                          N, x2.shape[0], H, x2.stride(0))
+        autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot.contiguous(), offsets,
+                          (offsets.shape[0] - 1) * offsets.stride(0), out, N, m_x, H, stride)
     return out
 
 
@@ -492,12 +528,13 @@ def scatter_rows(x: torch.Tensor, route: Route, out: torch.Tensor) -> torch.Tens
 
 
 def _scatter(x: torch.Tensor, slot: torch.Tensor, out: torch.Tensor) -> None:
-    """:func:`scatter_rows` on checked arguments (``slot`` contiguous ``[M, K]``, ``out`` contiguous)."""
-    N, H = slot.numel(), x.shape[1]
+    """:func:`scatter_rows` on checked arguments (``x [..., H]``, rows flattened; ``slot`` contiguous ``[M, K]``;
+    ``out`` contiguous ``[P, H]``)."""
+    N, H = slot.numel(), x.shape[-1]
     if N and H:
-        x2 = x if x.stride(1) == 1 else x.contiguous()
+        x2, _, stride = _as_rows(x)
         grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
-        autotuning.launch(_scatter_rows_kernel, grid, x2, slot, out, N, slot.shape[1], H, x2.stride(0), out.shape[0])
+        autotuning.launch(_scatter_rows_kernel, grid, x2, slot, out, N, slot.shape[1], H, stride, out.shape[0])
 
 
 def _reduce_configs():
@@ -552,7 +589,6 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
         fail("route.slot.device", str(slot.device), f"{y.device} (y's)")
     M, K = slot.shape
     H = y.shape[-1]
-    y2 = y.reshape(-1, H)
     if out is None:
         if not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
             fail("out_dtype", out_dtype, "a float torch.dtype")
@@ -572,20 +608,21 @@ def unpermute_reduce(y: torch.Tensor, route: Route, weights: torch.Tensor | None
         if not weights.dtype.is_floating_point or weights.device != y.device:
             fail("weights", f"{weights.dtype} on {weights.device}", f"a float dtype on {y.device} (y's)")
         weights = weights.contiguous()
-    _unpermute(y2, slot.contiguous(), weights, out)
+    _unpermute(y, slot.contiguous(), weights, out)
     return out
 
 
-def _unpermute(y2: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """:func:`unpermute_reduce` on checked arguments: ``y2 [S, H]``, ``slot`` contiguous ``[M, K]``, ``weights``
-    contiguous ``[M, K]`` or None, ``out`` contiguous ``[M, H]``. Returns ``out``."""
+def _unpermute(y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """:func:`unpermute_reduce` on checked arguments: ``y [..., H]`` (rows flattened), ``slot`` contiguous
+    ``[M, K]``, ``weights`` contiguous with ``M * K`` elements or None, ``out`` contiguous with ``M`` rows of H.
+    Returns ``out``."""
     M, K = slot.shape
-    H = y2.shape[1]
+    H = y.shape[-1]
     if M and H:
-        y2 = y2 if y2.stride(1) == 1 else y2.contiguous()
+        y2, n_y, stride = _as_rows(y)
         grid = lambda meta: (host_math.cdiv(M, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
         autotuning.launch(_unpermute_reduce_kernel, grid, y2, slot, weights if weights is not None else y2, out, M,
-                          H, K, y2.shape[0], y2.stride(0), HAS_W=weights is not None)
+                          H, K, n_y, stride, HAS_W=weights is not None)
     return out
 
 

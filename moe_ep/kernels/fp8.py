@@ -28,13 +28,18 @@ BLOCK_ROWS = (1, 128)  # activations, weights
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def fp8_row_scales(hidden: int) -> int:
+    """fp32 scales of one activation row of ``hidden`` channels: one per 128 columns, ``ceil(hidden / 128)``."""
+    return host_math.cdiv(hidden, FP8_BLOCK)
+
+
 def fp8_scales_shape(shape, block_rows: int, gate_up: bool = False) -> tuple:
     """Shape of the fp32 scales of an FP8 tensor of ``shape [..., R, K]``: ``[..., ceil(R / block_rows),
     ceil(K / 128)]``; ``gate_up`` (R = 2I, gate rows then up rows, each half blocked on its own):
     ``[..., 2 * ceil(I / block_rows), ceil(K / 128)]``."""
     *lead, R, K = shape
     rows = 2 * host_math.cdiv(R // 2, block_rows) if gate_up else host_math.cdiv(R, block_rows)
-    return (*lead, rows, host_math.cdiv(K, FP8_BLOCK))
+    return (*lead, rows, fp8_row_scales(K))
 
 
 @dataclass
@@ -60,6 +65,30 @@ class Fp8Tensor:
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    def row_parts(self, broadcast_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-row parts (``moe_ep.kernels.row_parts``) of activations (``block_rows`` 1): the codes' bytes uint8
+        ``[..., R, K]`` and the scales float32 ``[..., R, ceil(K / 128)]`` (nothing is shared by the rows, so
+        ``broadcast_shared`` changes nothing)."""
+        if self.block_rows != 1 or self.gate_up:
+            fail("Fp8Tensor", f"block_rows={self.block_rows} gate_up={self.gate_up}",
+                 "block_rows 1, gate_up False (row parts: one scale per row per 128 columns)")
+        return self.data.view(torch.uint8), self.scales
+
+    @staticmethod
+    def row_part_specs(hidden: int) -> tuple[tuple[int, torch.dtype], ...]:
+        """(width, dtype) of each of :meth:`row_parts` for rows of ``hidden`` channels."""
+        return (hidden, torch.uint8), (fp8_row_scales(hidden), torch.float32)
+
+    @classmethod
+    def from_row_parts(cls, parts) -> Fp8Tensor:
+        """Activations (``block_rows`` 1) from row parts as :meth:`row_parts` gives them, of any rows."""
+        data, scales = parts
+        return cls(data.view(torch.float8_e4m3fn), scales, 1)
+
+    def with_row_parts(self, parts) -> Fp8Tensor:
+        """This format with other rows: :meth:`from_row_parts` (an FP8 activation has no part shared by its rows)."""
+        return self.from_row_parts(parts)
 
     @property
     def device(self) -> torch.device:

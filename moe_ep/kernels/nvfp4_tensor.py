@@ -109,6 +109,46 @@ class NvFp4Tensor:
     def device(self) -> torch.device:
         return self.data.device
 
+    def row_parts(self, broadcast_shared: bool = False) -> tuple[torch.Tensor, ...]:
+        """The per-row parts (``moe_ep.kernels.row_parts``), each ``[*shape[:-1], width]``: the codes uint8
+        ``[..., K/2]``, the scales' bytes uint8 ``[..., K/16]`` and, when there is one per row (and more than one
+        row), the global scales float32 ``[..., 1]``. A global scale the rows share (one value, or one per slice) is
+        no row part (:meth:`with_row_parts` keeps it) unless ``broadcast_shared``: then it comes as one per row too
+        (a stride-0 view), the parts :meth:`row_part_specs` lists, as rows bound for one buffer with rows of other
+        tensors need. Linear scales only (a swizzled tile mixes 128 rows)."""
+        if self.swizzled:
+            fail("NvFp4Tensor.swizzled", True, "False (row parts need linear scales: a 128x4 tile mixes rows)")
+        lead, gs = self.shape[:-1], self.global_scale
+        parts = (self.data, self.scales.view(torch.uint8))
+        n = gs.numel()
+        if n == math.prod(lead) and (n > 1 or broadcast_shared):
+            return parts + (gs.reshape(*lead, 1),)
+        if not broadcast_shared:
+            return parts
+        ones = (1,) * len(lead)
+        shared = gs.reshape(*ones, 1) if n == 1 else gs.reshape(lead[0], *ones[1:], 1)  # one per slice
+        return parts + (shared.expand(*lead, 1),)
+
+    @staticmethod
+    def row_part_specs(hidden: int) -> tuple[tuple[int, torch.dtype], ...]:
+        """(width, dtype) of each of :meth:`row_parts` for rows of ``hidden`` channels, global scales per row."""
+        return (hidden // 2, torch.uint8), (hidden // NVFP4_BLOCK, torch.uint8), (1, torch.float32)
+
+    @classmethod
+    def from_row_parts(cls, parts, global_scale: torch.Tensor | None = None) -> NvFp4Tensor:
+        """The tensor of row parts as :meth:`row_parts` gives them, of any rows: codes, scales and per-row global
+        scales, or codes and scales with ``global_scale`` shared by the rows."""
+        data, scales, *per_row = parts
+        lead = data.shape[:-1]
+        gs = per_row[0].reshape(lead) if per_row else global_scale
+        return cls(data, scales.view(torch.float8_e4m3fn), gs, torch.Size((*lead, 2 * data.shape[-1])))
+
+    def with_row_parts(self, parts) -> NvFp4Tensor:
+        """This format with other rows (``parts`` as :meth:`row_parts` gives them); a shared global scale kept
+        (one value as ``[1]``)."""
+        gs = self.global_scale
+        return self.from_row_parts(parts, None if len(parts) == 3 else gs if gs.dim() == 1 else gs.reshape(-1))
+
     def linear_scales(self) -> torch.Tensor:
         """The scales in the linear layout ``[..., K/16]`` (a copy when swizzled)."""
         if not self.swizzled:

@@ -40,7 +40,7 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, check, fail
-from ..kernels.fp8 import FP8_BLOCK
+from ..kernels.fp8 import fp8_row_scales
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
 from ..triton_runtime import device as kernel_device
@@ -61,7 +61,7 @@ DS_FP8_HIDDEN_MULTIPLE = 512        # DS_FP8E3M4: "tokens must be 2D with hidden
 def fp8_scale_row_bytes(hidden_size: int) -> int:
     """Bytes of one token's raw scale row on HT's FWD path: its ceil(H/128) fp32 scales, zero padded to a multiple
     of 16 (FWD: "scale bytes per token must be non-zero and 16-byte aligned")."""
-    return -(-4 * -(-hidden_size // FP8_BLOCK) // 16) * 16
+    return -(-4 * fp8_row_scales(hidden_size) // 16) * 16
 
 
 def load_nccl_ep():
@@ -133,7 +133,7 @@ class NcclEpTransport:
         fp8 = c.activation_format is Format.FP8
         self.fp8_ds = fp8 and not self.ht     # LL: the library's DS_FP8E3M4 recipe quantizes bf16 rows
         self.fp8_fwd = fp8 and self.ht        # HT: our quantize, forwarded (FWD)
-        self.n_scales = -(-c.hidden_size // FP8_BLOCK)
+        self.n_scales = fp8_row_scales(c.hidden_size)
         if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
             raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
                                    f"<= {HT_MAX_TOKENS_PER_RANK} with HIGH_THROUGHPUT on transport 'nccl_ep'")

@@ -29,7 +29,7 @@ import torch
 
 from ..config import Algorithm, EpConfig, Format, Layout
 from ..errors import MoEEpBackendUnavailable, MoEEpConfigError, MoEEpInputError, fail
-from ..kernels.fp8 import FP8_BLOCK, Fp8Tensor
+from ..kernels.fp8 import Fp8Tensor, fp8_row_scales
 from ..layout_contract import LowLatencyExpertMajor
 from ..triton_runtime import device as kernel_device
 from .base import group_rank_world, padding_row
@@ -115,7 +115,7 @@ class NixlEpTransport:
         self._w = torch.zeros(T, config.top_k, dtype=torch.float32, device=self.device)
         self.fp8 = config.activation_format is Format.FP8
         # FP8: the received scales, contiguous (the library's are column-major in their last two dims)
-        self._scales = torch.zeros(self.L, world_size * T, -(-H // FP8_BLOCK), dtype=torch.float32,
+        self._scales = torch.zeros(self.L, world_size * T, fp8_row_scales(H), dtype=torch.float32,
                                    device=self.device) if self.fp8 else None
         self._last = None
 

@@ -21,7 +21,8 @@ NVFP4 activations: dispatch quantizes each token with its own global scale (or t
 
 FP8 activations: dispatch quantizes each token once (``quantize_fp8``, one fp32 scale per 128 channels, on the
 device) and ships the e4m3 bytes + those scales (no bf16 round trip); the received ``tokens`` are an ``Fp8Tensor``
-(block_rows 1) with scales ``[..., ceil(H/128)]`` beside the rows. Combine stays bf16.
+(block_rows 1) with scales ``[..., ceil(H/128)]`` beside the rows. Both travel as their row parts
+(``moe_ep.kernels.row_parts``): one code path packs, receives and lays out every format. Combine stays bf16.
 
 Buffers are allocated once per transport (at their largest size) and reused; the tensors a dispatch
 returns are views of them, valid until the next dispatch.
@@ -35,8 +36,9 @@ import torch.distributed as dist
 from ..config import EpConfig, Format
 from ..errors import MoEEpConfigError
 from ..kernels.bridge import Route, permute_rows, route_experts, unpermute_reduce
-from ..kernels.fp8 import FP8_BLOCK, Fp8Tensor, quantize_fp8
-from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
+from ..kernels.fp8 import quantize_fp8
+from ..kernels.nvfp4 import quantize_nvfp4_tokens
+from ..kernels.row_parts import from_row_parts, payload_type, reshape_rows, row_part_specs, row_parts
 from ..layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
 from ..rank_agreement import raise_if_peer_failed
@@ -58,7 +60,9 @@ class TorchDistTransport:
         self.device = torch.device(device) if device is not None else kernel_device()
         self.nvfp4 = config.activation_format is Format.NVFP4
         self.fp8 = config.activation_format is Format.FP8
-        self.fp8_scales = -(-config.hidden_size // FP8_BLOCK)  # fp32 scales per row (FP8 activations)
+        # the payload's row parts (moe_ep.kernels.row_parts): packed, received and laid out one by one
+        self.payload = payload_type(self.nvfp4, self.fp8)
+        self.part_specs = {f"part{i}": spec for i, spec in enumerate(row_part_specs(self.payload, config.hidden_size))}
         self.stage = False
         if self.world > 1:
             backend = dist.get_backend(group)
@@ -114,53 +118,26 @@ class TorchDistTransport:
         return out
 
     def _pack(self, x, q, rows: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Byte rows: token (bf16, NVFP4 codes+scales+global scale, or FP8 e4m3+fp32 scales), K int32 ids, K fp32
-        weights."""
-        parts = []
-        if q is None:
-            parts.append(x[rows].view(torch.uint8))
-        elif isinstance(q, Fp8Tensor):
-            parts += [q.data[rows].view(torch.uint8), q.scales[rows].view(torch.uint8)]
-        else:
-            gs = q.global_scale[rows].reshape(-1, 1)
-            parts += [q.data[rows], q.scales[rows].view(torch.uint8), gs.view(torch.uint8)]
+        """Byte rows: the token's row parts (bf16; NVFP4 codes, scales, global scale; FP8 codes, scales), K int32 ids,
+        K fp32 weights."""
+        parts = [p[rows].view(torch.uint8) for p in row_parts(x if q is None else q, broadcast_shared=True)]
         parts += [ids.to(torch.int32).view(torch.uint8), w.float().contiguous().view(torch.uint8)]
         return torch.cat(parts, dim=1)
 
     def _unpack_into_compact(self, recv: torch.Tensor, n: int) -> None:
-        H, K = self.config.hidden_size, self.config.top_k
+        K = self.config.top_k
         c, o = self._compact(), 0
-
-        def take(nbytes, dtype):
-            nonlocal o
-            v = recv[:, o:o + nbytes].clone(memory_format=torch.contiguous_format).view(dtype)  # aligned copy
+        for name, (width, dtype) in (*self.part_specs.items(), ("ids", (K, torch.int32)), ("w", (K, torch.float32))):
+            nbytes = width * dtype.itemsize
+            c[name][:n] = recv[:, o:o + nbytes].clone(memory_format=torch.contiguous_format).view(dtype)  # aligned
             o += nbytes
-            return v
-        if self.nvfp4:
-            c["data"][:n] = take(H // 2, torch.uint8)
-            c["scales"][:n] = take(H // 16, torch.uint8)
-            c["gs"][:n] = take(4, torch.float32).reshape(-1)
-        elif self.fp8:
-            c["data"][:n] = take(H, torch.uint8)
-            c["scales"][:n] = take(4 * self.fp8_scales, torch.float32)
-        else:
-            c["tok"][:n] = take(2 * H, torch.bfloat16)
-        c["ids"][:n] = take(4 * K, torch.int32).long()
-        c["w"][:n] = take(4 * K, torch.float32)
 
     def _compact(self) -> dict[str, torch.Tensor]:
-        """Received rows, compact: [R*T, ...] (rows past the received count are stale)."""
-        H, K, M = self.config.hidden_size, self.config.top_k, self.config.max_tokens_per_rank * self.world
-        c = {"ids": self._buf("c_ids", (M, K), torch.int64), "w": self._buf("c_w", (M, K), torch.float32)}
-        if self.nvfp4:
-            c.update(data=self._buf("c_data", (M, H // 2), torch.uint8),
-                     scales=self._buf("c_scales", (M, H // 16), torch.uint8),
-                     gs=self._buf("c_gs", (M,), torch.float32))
-        elif self.fp8:  # e4m3 bytes as uint8 (what the gathers and the exchange move), fp32 scales
-            c.update(data=self._buf("c_data", (M, H), torch.uint8),
-                     scales=self._buf("c_scales", (M, self.fp8_scales), torch.float32))
-        else:
-            c["tok"] = self._buf("c_tok", (M, H), torch.bfloat16)
+        """Received rows, compact: [R*T, ...] (rows past the received count are stale): the payload's row parts
+        (e4m3 as uint8 bytes, what the gathers and the exchange move), ids, weights."""
+        K, M = self.config.top_k, self.config.max_tokens_per_rank * self.world
+        c = {name: self._buf("c_" + name, (M, width), dtype) for name, (width, dtype) in self.part_specs.items()}
+        c.update(ids=self._buf("c_ids", (M, K), torch.int64), w=self._buf("c_w", (M, K), torch.float32))
         return c
 
     # ---- dispatch -------------------------------------------------------------------------------------
@@ -209,19 +186,11 @@ class TorchDistTransport:
         else:
             dist.all_to_all_single(out, counts, group=self.group)
 
-    def _tokens(self, c, rows=None, shape=None):
-        """Compact tokens (bf16, NvFp4Tensor with per-row global scale, or per-row Fp8Tensor), optionally
-        reshaped."""
-        H = self.config.hidden_size
-        if self.fp8:
-            data, shape = c["data"], shape or (c["data"].shape[0],)
-            return Fp8Tensor(data.view(torch.float8_e4m3fn).view(*shape, H), c["scales"].view(*shape, self.fp8_scales))
-        if not self.nvfp4:
-            return c["tok"] if shape is None else c["tok"].view(*shape, H)
-        data, scales, gs = c["data"], c["scales"].view(torch.float8_e4m3fn), c["gs"]
-        shape = shape or (data.shape[0],)
-        return NvFp4Tensor(data.view(*shape, H // 2), scales.view(*shape, H // 16), gs.view(*shape),
-                           torch.Size((*shape, H)))
+    def _tokens(self, c, shape=None):
+        """The payload (bf16, NvFp4Tensor with per-row global scale, or per-row Fp8Tensor) of row parts ``c``,
+        optionally with its rows reshaped to ``shape``."""
+        tokens = from_row_parts(self.payload, [c[name] for name in self.part_specs])
+        return tokens if shape is None else reshape_rows(tokens, shape)
 
     # ---- the layouts: compact rows -> the contract's result type ------------------------------------------
     def _ht_flat(self, c, n_total: torch.Tensor, st) -> HighThroughputFlat:
@@ -241,28 +210,20 @@ class TorchDistTransport:
         return route
 
     def _ht_expert_major(self, c, n_total: torch.Tensor, st) -> HighThroughputExpertMajor:
-        H, S = self.config.hidden_size, self.config.max_tokens_per_rank * self.world * self.config.top_k
+        S = self.config.max_tokens_per_rank * self.world * self.config.top_k
         route = self._route(c, n_total, st)
         slot = route.slot.reshape(-1).long()
         w_slot = self._buf("em_w", (S + 1,), torch.float32)
         w_slot.index_copy_(0, torch.where(slot >= 0, slot, S), c["w"].reshape(-1))
-        if self.nvfp4:
-            pc = {"data": permute_rows(c["data"], route, out=self._buf("em_data", (S, H // 2), torch.uint8)),
-                  "scales": permute_rows(c["scales"], route, out=self._buf("em_sc", (S, H // 16), torch.uint8)),
-                  "gs": c["gs"][route.row_of_slot.long().clamp(min=0)]}
-        elif self.fp8:
-            pc = {"data": permute_rows(c["data"], route, out=self._buf("em_data", (S, H), torch.uint8)),
-                  "scales": permute_rows(c["scales"], route,
-                                         out=self._buf("em_sc", (S, self.fp8_scales), torch.float32))}
-        else:
-            pc = {"tok": permute_rows(c["tok"], route, out=self._buf("em_tok", (S, H), torch.bfloat16))}
+        pc = {name: permute_rows(c[name], route, out=self._buf("em_" + name, (S, width), dtype))
+              for name, (width, dtype) in self.part_specs.items()}
         return HighThroughputExpertMajor(self._tokens(pc), expert_offsets=route.offsets[:-1].long(),
                                          expert_counts=route.counts.long(), topk_weights=w_slot[:S],
                                          num_recv=route.offsets[-1].long())
 
     def _ll_expert_major(self, c, n_total: torch.Tensor, st) -> LowLatencyExpertMajor:
         """Expert e's rows packed at [e, 0:count), in (source rank, token) order."""
-        L, K, H, M = self.L, self.config.top_k, self.config.hidden_size, self.config.max_tokens_per_rank * self.world
+        L, K, M = self.L, self.config.top_k, self.config.max_tokens_per_rank * self.world
         route = self._route(c, n_total, st)
         e = c["ids"].clamp(0, L - 1)
         # pick -> its padded row e * M + (slot - offsets[e]): int32 throughout (L * M fits: the config checks it)
@@ -277,15 +238,7 @@ class TorchDistTransport:
             buf = self._buf(name, (L * M + 1, width), dtype)
             buf.index_copy_(0, flat, src[src_rows].reshape(-1, width))
             return buf[:L * M]
-        if self.nvfp4:
-            em = {"data": scatter("ll_data", c["data"], H // 2, torch.uint8),
-                  "scales": scatter("ll_sc", c["scales"], H // 16, torch.uint8),
-                  "gs": scatter("ll_gs", c["gs"][:, None], 1, torch.float32).reshape(-1)}
-        elif self.fp8:
-            em = {"data": scatter("ll_data", c["data"], H, torch.uint8),
-                  "scales": scatter("ll_sc", c["scales"], self.fp8_scales, torch.float32)}
-        else:
-            em = {"tok": scatter("ll_tok", c["tok"], H, torch.bfloat16)}
+        em = {name: scatter("ll_" + name, c[name], width, dtype) for name, (width, dtype) in self.part_specs.items()}
         return LowLatencyExpertMajor(self._tokens(em, shape=(L, M)), expert_counts=route.counts)
 
     def _to_rank_major(self, c, n_from: list[int]) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ clamping to ``[-1, E]``, FLAT as they are) hand them to a compute whose route sk
 
 NVFP4 and FP8 activations: the tokens arrive quantized (``q``, an ``NvFp4Tensor`` with one global scale per row, or
 an ``Fp8Tensor`` with one fp32 scale per row per 128 channels, from the transport's dispatch); the layouts move its
-codes and scales as they are.
+row parts (``moe_ep.kernels.row_parts``) as they are, one code path for every format.
 
 Buffers the layouts return live until the next dispatch (views of persistent buffers, or new tensors).
 """
@@ -30,8 +30,7 @@ import torch
 
 from ..config import EpConfig
 from ..kernels.bridge import Route, _gather, _launch_route, _scatter, _unpermute
-from ..kernels.fp8 import FP8_BLOCK, Fp8Tensor
-from ..kernels.nvfp4 import NvFp4Tensor
+from ..kernels.row_parts import row_parts, with_row_parts
 from ..layout_contract import (HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
                                LowLatencyRankMajor, result_type)
 
@@ -45,7 +44,6 @@ class WorldOneLayouts:
         self.config, self.device = config, device
         self.L, self.T, self.K, self.H = (config.num_experts, config.max_tokens_per_rank, config.top_k,
                                           config.hidden_size)
-        self.S = -(-self.H // FP8_BLOCK)  # an FP8 row's scales
         self._bufs: dict = {}
         self._state = None  # what combine needs of the last dispatch
         kind = result_type(config)
@@ -54,12 +52,12 @@ class WorldOneLayouts:
         self.combine = {LowLatencyExpertMajor: self._combine_weighted, LowLatencyRankMajor: self._combine_rank_major,
                         HighThroughputFlat: self._combine_flat, HighThroughputExpertMajor: self._combine_slots}[kind]
 
-    def _kept(self, key, make):
-        """``make()``, made once per ``key`` and kept; not kept when made inside a CUDA-graph capture (its values
+    def _kept(self, key, make, *args):
+        """``make(*args)``, made once per ``key`` and kept; not kept when made inside a CUDA-graph capture (its values
         would then exist only in the graph's replays, and an eager forward would read garbage)."""
         t = self._bufs.get(key)
         if t is None:
-            t = make()
+            t = make(*args)
             if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self._bufs[key] = t
         return t
@@ -72,49 +70,46 @@ class WorldOneLayouts:
         """A device tensor holding ``n`` (a count the host knows: the batch), made once per value."""
         return self._kept(("count", n, dtype, shape), lambda: torch.full(shape, n, dtype=dtype, device=self.device))
 
-    def _route(self, idx, pad_rows: int = 0, weights=None, index_dtype=torch.int32) -> Route:
-        """The route of ``idx [B, K]`` into buffers kept per batch size (this layout routes every B the same way)."""
+    def _route(self, idx, pad_rows: int = 0, weights=None, index_dtype=torch.int32):
+        """The route of ``idx [B, K]`` into buffers kept per batch size (this layout routes every B the same way),
+        with views kept beside it: its offsets' first L and their end (the valid slots)."""
         B, L, K, dev = idx.shape[0], self.L, self.K, self.device
 
         def make():
             sw = None if weights is None else torch.empty(L * pad_rows if pad_rows else B * K, dtype=torch.float32,
                                                           device=dev)
-            return (Route._made(torch.zeros(L, dtype=index_dtype, device=dev),  # zeros: B = 0 launches nothing
-                                torch.zeros(L + 1, dtype=index_dtype, device=dev),
+            offsets = torch.zeros(L + 1, dtype=index_dtype, device=dev)  # zeros: B = 0 launches nothing
+            route = Route._made(torch.zeros(L, dtype=index_dtype, device=dev), offsets,
                                 torch.empty(B, K, dtype=torch.int32, device=dev),
-                                None if pad_rows else torch.empty(B * K, dtype=torch.int32, device=dev), sw), {})
-        route, scratch = self._kept(("route", B), make)
+                                None if pad_rows else torch.empty(B * K, dtype=torch.int32, device=dev), sw)
+            return route, {}, (offsets[:L], offsets[L])
+        route, scratch, ends = self._kept(("route", B), make)
         if B:
             _launch_route(idx.contiguous(), None, 1, self.L, route, pad_rows=pad_rows,
                           weights=None if weights is None else weights.contiguous(), scratch=scratch)
-        return route
+        return route, ends
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def _ll_expert_major(self, x, q, idx, w) -> LowLatencyExpertMajor:
-        L, T, H = self.L, self.T, self.H
-        route = self._route(idx, pad_rows=T)
-        slot = route.slot
-        if q is None:
-            tok = self._buf("tok", (L * T, H), torch.bfloat16)
-            _scatter(x, slot, tok)
-            tokens = tok.view(L, T, H)
-        elif isinstance(q, Fp8Tensor):
-            data, scales = self._buf("data", (L * T, H), torch.uint8), self._buf("sc", (L * T, self.S), torch.float32)
-            _scatter(q.data.view(torch.uint8), slot, data)
-            _scatter(q.scales, slot, scales)
-            tokens = Fp8Tensor(data.view(torch.float8_e4m3fn).view(L, T, H), scales.view(L, T, self.S), 1)
-        else:
-            data, scales = self._buf("data", (L * T, H // 2), torch.uint8), self._buf("sc", (L * T, H // 16), torch.uint8)
-            gs = self._buf("gs", (L * T, 1), torch.float32)
-            _scatter(q.data, slot, data)
-            _scatter(q.scales.view(torch.uint8), slot, scales)
-            _scatter(q.global_scale.view(-1, 1), slot, gs)
-            tokens = NvFp4Tensor(data.view(L, T, H // 2), scales.view(torch.float8_e4m3fn).view(L, T, H // 16),
-                                 gs.view(L, T), torch.Size((L, T, H)))
+        L, T = self.L, self.T
+        route, _ = self._route(idx, pad_rows=T)
+        slot, payload = route.slot, x if q is None else q
+        rows = []  # each part's padded rows, kept with their [L, T, width] view
+        for i, part in enumerate(row_parts(payload, broadcast_shared=True)):
+            width, dt = part.shape[-1], part.dtype
+            buf, view = self._kept(("em", i, width, dt), self._viewed, (L * T, width), (L, T, width), dt)
+            _scatter(part, slot, buf)
+            rows.append(view)
         self._state = (slot, w.contiguous())
-        return LowLatencyExpertMajor(tokens, expert_counts=route.counts)
+        return LowLatencyExpertMajor(with_row_parts(payload, rows), expert_counts=route.counts)
 
-    def _rows(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _viewed(self, shape, view_shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A zeroed buffer (garbage rows stay finite) and its view of ``view_shape``, to be kept together: a view
+        made once is no torch op on the next forward."""
+        buf = torch.zeros(shape, dtype=dtype, device=self.device)
+        return buf, buf.view(view_shape)
+
+    def _rows(self, name, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t [B, ...]`` as the first B of the contract's T rows, in ``dtype``: ``t`` itself when B = T (converted
         if it must be), else copied into a buffer whose rows past B are garbage."""
         if t.shape[0] == self.T:
@@ -123,23 +118,22 @@ class WorldOneLayouts:
         buf[:t.shape[0]] = t
         return buf
 
+    def _ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """``idx [B, K]`` as ``[1, T, K]`` int32 (the first B rows), never narrowed onto another expert: other
+        dtypes are clamped to ``[-1, E]``, then copied into a kept buffer whose ``[1, T, K]`` view is kept too."""
+        if idx.dtype is torch.int32:
+            return self._rows("ids32", idx, torch.int32).unsqueeze(0)
+        buf, view = self._kept("ids_clamped", self._viewed, (self.T, self.K), (1, self.T, self.K), torch.int32)
+        (buf if idx.shape[0] == self.T else buf[:idx.shape[0]]).copy_(idx.clamp(-1, self.config.num_experts))
+        return view
+
     def _ll_rank_major(self, x, q, idx, w) -> LowLatencyRankMajor:
-        B, T, H = x.shape[0], self.T, self.H
-        if idx.dtype is not torch.int32:  # never narrowed onto another expert
-            idx = idx.clamp(-1, self.config.num_experts)
-        ids, wts = self._rows("ids", idx, torch.int32), self._rows("w", w, torch.float32)
-        if q is None:
-            tokens = self._rows("tok", x, torch.bfloat16).unsqueeze(0)
-        elif isinstance(q, Fp8Tensor):
-            data = self._rows("data", q.data.view(torch.uint8), torch.uint8).view(torch.float8_e4m3fn)
-            tokens = Fp8Tensor(data.unsqueeze(0), self._rows("sc", q.scales, torch.float32).unsqueeze(0), 1)
-        else:
-            data, scales = self._rows("data", q.data, torch.uint8), self._rows("sc", q.scales.view(torch.uint8),
-                                                                               torch.uint8)
-            tokens = NvFp4Tensor(data.unsqueeze(0), scales.view(torch.float8_e4m3fn).unsqueeze(0),
-                                 self._rows("gs", q.global_scale, torch.float32).unsqueeze(0), torch.Size((1, T, H)))
+        B, payload = x.shape[0], x if q is None else q
+        rows = [self._rows(("rm", i), p, p.dtype).unsqueeze(0)
+                for i, p in enumerate(row_parts(payload, broadcast_shared=True))]
         self._state = B
-        return LowLatencyRankMajor(tokens, topk_idx=ids.unsqueeze(0), topk_weights=wts.unsqueeze(0),
+        return LowLatencyRankMajor(with_row_parts(payload, rows), topk_idx=self._ids(idx),
+                                   topk_weights=self._rows("w", w, torch.float32).unsqueeze(0),
                                    src_rank_counts=self._count(B, torch.int32, (1,)))
 
     def _ht_flat(self, x, q, idx, w) -> HighThroughputFlat:
@@ -149,28 +143,19 @@ class WorldOneLayouts:
                                   num_recv=self._count(B, torch.int64, ()))
 
     def _ht_expert_major(self, x, q, idx, w) -> HighThroughputExpertMajor:
-        L = self.L
-        route = self._route(idx, weights=w, index_dtype=torch.int64)
-        if q is None:
-            tokens = _gather(x, route)
-        elif isinstance(q, Fp8Tensor):
-            tokens = Fp8Tensor(_gather(q.data.view(torch.uint8), route).view(torch.float8_e4m3fn), _gather(q.scales, route),
-                               1)
-        else:
-            gs = _gather(q.global_scale.view(-1, 1), route)
-            tokens = NvFp4Tensor(_gather(q.data, route), _gather(q.scales.view(torch.uint8), route).view(q.scales.dtype),
-                                 gs.view(-1), torch.Size((gs.shape[0], self.H)))
+        route, (offsets, total) = self._route(idx, weights=w, index_dtype=torch.int64)
+        payload = x if q is None else q
+        tokens = with_row_parts(payload, [_gather(p, route) for p in row_parts(payload, broadcast_shared=True)])
         self._state = route.slot
-        offsets = route.offsets
-        return HighThroughputExpertMajor(tokens, expert_offsets=offsets[:L], expert_counts=route.counts,
-                                         topk_weights=route.slot_weight, num_recv=offsets[L])
+        return HighThroughputExpertMajor(tokens, expert_offsets=offsets, expert_counts=route.counts,
+                                         topk_weights=route.slot_weight, num_recv=total)
 
     # ---- combine -------------------------------------------------------------------------------------------
     def _combine_weighted(self, expert_out: torch.Tensor) -> torch.Tensor:
         """LL EXPERT_MAJOR: each token's picks summed back with their routing weights, in fp32."""
         slot, w = self._state
         out = torch.empty(slot.shape[0], self.H, dtype=torch.bfloat16, device=self.device)
-        return _unpermute(expert_out.reshape(-1, self.H), slot, w, out)
+        return _unpermute(expert_out, slot, w, out)
 
     def _combine_rank_major(self, expert_out: torch.Tensor) -> torch.Tensor:
         rows = expert_out.reshape(self.T, self.H)
@@ -183,7 +168,7 @@ class WorldOneLayouts:
         """HT EXPERT_MAJOR: a token's slots (already weighted) summed back into its row, in fp32."""
         slot = self._state
         out = torch.empty(slot.shape[0], self.H, dtype=torch.bfloat16, device=self.device)
-        return _unpermute(expert_out.reshape(-1, self.H), slot, None, out)
+        return _unpermute(expert_out, slot, None, out)
 
     def close(self) -> None:
         self._bufs.clear()
