@@ -737,3 +737,30 @@ def test_plan_before_and_after_launch(dev):
     empty = plan_grouped_gemm(torch.zeros(0, 32, dtype=torch.bfloat16, device=dev), w,
                               offsets=torch.zeros(3, dtype=torch.int32, device=dev))
     assert (empty.config_source, empty.grid, empty.config) == ("no-launch", 0, None)
+
+
+_GRID_SHAPES = [(False, 4, 1, 16), (False, 8, 700, 64), (False, 64, 4096, 32), (True, 8, 0, 2048), (True, 32, 0, 33),
+                (True, 3, 0, 1)]  # (ragged, G, M_max, S): masked grids both ways, ragged ones of many sizes
+
+
+@pytest.mark.parametrize("i", range(len(_SPACE)), ids=[f"config{i}" for i in range(len(_SPACE))])
+def test_launch_takes_what_launch_kernels_heuristics_derive(monkeypatch, i):
+    """The launcher launches the bare kernel with EVEN_K, PERSISTENT and the grid from the plan: for every config of
+    the space, layouts, sizes, TMA both ways, they are what ``launch_kernel``'s heuristics and the grid function of
+    an autotuned launch give (a mismatch would compile and launch another variant than a tuned file's)."""
+    monkeypatch.setattr(device_facts, "tma_supported", lambda: True)
+    for tma in (False, True):
+        cfg = dict(_SPACE[i], TMA=tma)
+        for ragged, G, M_max, S in _GRID_SHAPES:
+            S = S if ragged else G * M_max
+            for N, K, swiglu in ((40, 96, True), (256, 4096, False), (7168, 2048, True)):
+                p = gemm_plan._with_config(gemm_plan.GemmPlan(
+                    layout="ragged" if ragged else "masked", sizes=(G, N, K, M_max, S), m_bucket=256,
+                    x_format="bf16", w_format="bf16", x_decoded=False, w_decoded=False, swiglu=swiglu,
+                    row_scale=False, config=None, config_source="forced", config_file=None, tma_possible=tma,
+                    tma=None, persistent=None, grid=None), cfg)
+                full = dict(cfg, RAGGED=ragged, G=G, M_MAX=M_max, S=S, N=N, K=K, SWIGLU=swiglu)
+                for name, fn in kernels.launch_kernel.values.items():
+                    full[name] = fn(full)
+                assert launcher._config_constexprs(p) == {k: full[k] for k in (*cfg, "EVEN_K", "PERSISTENT")}
+                assert p.grid == schedule.grid_size(full, ragged, G, M_max, S, N, swiglu)

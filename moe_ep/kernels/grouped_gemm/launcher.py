@@ -197,38 +197,51 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     args = (xd, c.xgs if p.x_decoded else dummy, c.xs if c.fp8 else dummy, xgs_stride, wd,
             c.ws if w_tiles_fp4 or c.fp8 else dummy, c.wgs if c.w_fp4 else dummy, out, out_scales,
             c.row_scale if c.row_scale is not None else dummy, c.idx)
+    flags = dict(RAGGED=c.ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, FP8=c.fp8,
+                 FP8_OUT=fp8_out, SWIGLU=c.swiglu,
+                 HAS_RS=c.row_scale is not None, BLOCK_G=max(host_math.next_power_of_2(c.G), 2),
+                 SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
+    chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
+    if link is not None:
+        if link.ready is None:
+            link.ready = torch.zeros(c.G, dtype=torch.int32, device=xd.device)
+        chain_args = (link.ready, *(link.wait or (1, 1)))
+        link.pdl = p.pdl  # timed configs run one after another: a searched GEMM1 is followed by a plain launch
+        link.launched = args
+    tail = (*chain_args, c.G, c.M_max, c.N, K, c.S, K // 4, K // 16, p.m_bucket)
+    cfg = p.config
+    if cfg is not None:  # the plan has the grid and the constexprs launch_kernel's heuristics would derive: the bare
+        tma = cfg["TMA"]  # kernel, with a tuple grid (no heuristics, no grid function, no argument dict per launch)
+        descs = _descriptors(xd, wd, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if tma else (None, None)
+        pdl = _PDL if p.pdl and p.chain == "waits" else _NO_PDL  # GEMM2 as GEMM1's dependent
+        launch_cache.launch(kernels.grouped_gemm_kernel, (p.grid,), *args, *descs, *tail, **flags,
+                            **_config_constexprs(p), **pdl)
+        return p
     ragged, G, M_max, S, N, swiglu = c.ragged, c.G, c.M_max, c.S, c.N, c.swiglu
 
     def programs(meta):
         return (schedule.grid_size(meta, ragged, G, M_max, S, N, swiglu),)
 
-    def descriptors():  # tile shapes set per config (config_space.set_tma_blocks)
-        return (TensorDescriptor.from_tensor(xd.view(-1, K), [16, 32]),
-                TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32]))
-
-    flags = dict(RAGGED=ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, FP8=c.fp8,
-                 FP8_OUT=fp8_out, SWIGLU=swiglu,
-                 HAS_RS=c.row_scale is not None, BLOCK_G=max(host_math.next_power_of_2(G), 2),
-                 SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
-    chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
-    if link is not None:
-        if link.ready is None:
-            link.ready = torch.zeros(G, dtype=torch.int32, device=out.device)
-        chain_args = (link.ready, *(link.wait or (1, 1)))
-        link.pdl = p.pdl  # timed configs run one after another: a searched GEMM1 is followed by a plain launch
-        link.launched = args
-    tail = (*chain_args, G, M_max, N, K, S, K // 4, K // 16, p.m_bucket)
-    if p.config is not None:
-        descs = (None, None)
-        if p.config["TMA"]:
-            descs = descriptors()
-            config_space.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **p.config))
-        pdl = dict(launch_pdl=True) if p.pdl and p.chain == "waits" else {}  # GEMM2 as GEMM1's dependent
-        launch_cache.launch(kernels.launch_kernel, programs, *args, *descs, *tail, **flags, **p.config, **pdl)
-        return p
-    best = launch_cache.launch(kernels.autotuned_kernel, programs, *args,
-                               *(descriptors() if p.tma_possible else (None, None)), *tail, **flags)
+    descs = (TensorDescriptor.from_tensor(xd.view(-1, K), [16, 32]),  # tile shapes set per config
+             TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32])) if p.tma_possible else (None, None)
+    best = launch_cache.launch(kernels.autotuned_kernel, programs, *args, *descs, *tail, **flags)
     return plans.autotuned(p, config_space.config_dict(best) if best is not None else None)
+
+
+_PDL, _NO_PDL = dict(launch_pdl=True), {}
+
+
+def _config_constexprs(p: GemmPlan) -> dict:
+    """The config of plan ``p`` with EVEN_K and PERSISTENT, as ``kernels.launch_kernel``'s heuristics derive them."""
+    cfg = p.config
+    return dict(cfg, EVEN_K=p.sizes[2] % cfg["BLOCK_K"] == 0, PERSISTENT=p.persistent and not cfg["TMA"])
+
+
+def _descriptors(xd: torch.Tensor, wd: torch.Tensor, K: int, block_m: int, block_n: int, block_k: int) -> tuple:
+    """TMA descriptors of x ``[rows, K]`` (BLOCK_M x BLOCK_K boxes) and w ``[G * NW, K]`` (BLOCK_N x BLOCK_K), as
+    ``config_space.set_tma_blocks`` shapes them."""
+    return (TensorDescriptor.from_tensor(xd.view(-1, K), [block_m, block_k]),
+            TensorDescriptor.from_tensor(wd.view(-1, K), [block_n, block_k]))
 
 
 def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=False) -> _Call:
