@@ -164,7 +164,7 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
     if first is not None and p1.config is not None:  # chained, and GEMM1 had rows
         second = Link(first.ready, (p1.config["BLOCK_M"], host_math.cdiv(I2 // 2, p1.config["BLOCK_N"])),
                       first.pdl and not _shares_memory(out, x))
-    call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint, False)
+    call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint, False, first_gemm=call1)
     p2 = _launch(call2, _plan(call2, second, None, env), second)
     return (call2.out, (p1, p2)) if return_plan else call2.out
 
@@ -244,20 +244,28 @@ def _descriptors(xd: torch.Tensor, wd: torch.Tensor, K: int, block_m: int, block
             TensorDescriptor.from_tensor(wd.view(-1, K), [block_n, block_k]))
 
 
-def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=False) -> _Call:
+def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=False,
+           first_gemm: _Call | None = None) -> _Call:
     """The call's arguments checked (MoEEpInputError naming the argument, its value and what is allowed) and made
-    contiguous; ``out`` allocated when None (an Fp8Tensor with ``quantize_out``)."""
-    check((counts is None) != (offsets is None), "(counts, offsets)",
-          ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
-          "exactly one of counts (masked layout) or offsets (ragged layout)")
-    if type(swiglu) is not bool:
-        fail("swiglu", swiglu, "True or False")
-    if type(quantize_out) is not bool:
-        fail("quantize_out", quantize_out, "True or False")
-    _check_m_hint(m_hint)
+    contiguous; ``out`` allocated when None (an Fp8Tensor with ``quantize_out``). ``first_gemm``: for the expert
+    MLP's GEMM2, GEMM1's checked call, whose output ``x`` is: x, the counts / offsets and ``m_hint`` were checked
+    with it (w, row_scale and out are checked here)."""
     ragged = offsets is not None
-    xd, xs, xgs, xshape, x_fmt = _operand(x, "x", 2 if ragged else 3,
-                                          "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
+    if first_gemm is None:
+        check((counts is None) != (offsets is None), "(counts, offsets)",
+              ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
+              "exactly one of counts (masked layout) or offsets (ragged layout)")
+        if type(swiglu) is not bool:
+            fail("swiglu", swiglu, "True or False")
+        if type(quantize_out) is not bool:
+            fail("quantize_out", quantize_out, "True or False")
+        _check_m_hint(m_hint)
+        xd, xs, xgs, xshape, x_fmt = _operand(x, "x", 2 if ragged else 3,
+                                              "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
+    elif first_gemm.quantize_out:  # GEMM1's FP8 output: e4m3 codes and their fp32 scales, contiguous
+        xd, xs, xgs, xshape, x_fmt = x.data.view(torch.uint8), x.scales, None, tuple(x.shape), "fp8"
+    else:
+        xd, xs, xgs, xshape, x_fmt = x, None, None, tuple(x.shape), "bf16"
     wd, ws, wgs, wshape, w_fmt = _operand(w, "w", 3, "[G, N, K]")
     x_fp4, w_fp4, fp8 = x_fmt == "nvfp4", w_fmt == "nvfp4", x_fmt == "fp8"
     if "fp8" in (x_fmt, w_fmt) and x_fmt != w_fmt:
@@ -288,13 +296,13 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
         wgs = wgs.expand(G).contiguous()
     if ragged:
         S, M_max = xshape[0], 0
-        idx = _index(offsets, "offsets", G + 1, dev)
+        idx = _index(offsets, "offsets", G + 1, dev) if first_gemm is None else first_gemm.idx
         rows_shape = (S,)
     else:
         if xshape[0] != G:
             fail("x.shape[0]", xshape[0], f"{G} (w's number of experts G)")
         S, M_max = G * xshape[1], xshape[1]
-        idx = _index(counts, "counts", G, dev)
+        idx = _index(counts, "counts", G, dev) if first_gemm is None else first_gemm.idx
         rows_shape = (G, M_max)
     N = NW // 2 if swiglu else NW
     if row_scale is not None:
