@@ -622,6 +622,13 @@ def _issue18_cases(dev):
         ("out list", lambda: grouped_gemm(x, w, counts=cnt, out=[]), (err, "out.dtype")),
         ("mlp no layout", lambda: expert_mlp(x, w13, w2), (err, "(counts, offsets)")),
         ("mlp x list", lambda: expert_mlp(x.tolist(), w13, w2, counts=cnt), (err, "type(x)")),
+        # GEMM2's own arguments (its x, GEMM1's output, is not checked again; these are the caller's)
+        ("mlp w2 fp32", lambda: expert_mlp(x, w13, w2.float(), counts=cnt), (err, "w.dtype")),
+        ("mlp row_scale list", lambda: expert_mlp(x, w13, w2, counts=cnt, row_scale=[1.0] * 8),
+         (err, "row_scale.dtype")),
+        ("mlp row_scale shape", lambda: expert_mlp(x, w13, w2, counts=cnt, row_scale=torch.ones(G, M + 1, device=dev)),
+         (err, "row_scale.shape")),
+        ("mlp out shape", lambda: expert_mlp(x, w13, w2, counts=cnt, out=x[:, :, :16]), (err, "out.shape")),
         ("plan m_hint str", lambda: plan_grouped_gemm(x, w, counts=cnt, m_hint="abc"), (err, "m_hint = 'abc'")),
         ("config bad", lambda: grouped_gemm(x, w, counts=cnt, config=dict(_ODD, GROUP_M=0)),
          (MoEEpConfigError, "config.GROUP_M = 0")),
