@@ -771,3 +771,18 @@ def test_launch_takes_what_launch_kernels_heuristics_derive(monkeypatch, i):
                     full[name] = fn(full)
                 assert launcher._config_constexprs(p) == {k: full[k] for k in (*cfg, "EVEN_K", "PERSISTENT")}
                 assert p.grid == schedule.grid_size(full, ragged, G, M_max, S, N, swiglu)
+
+
+@pytest.mark.parametrize("shape, K", [((40, 96), 96), ((3, 24, 64), 64), ((2, 200, 32), 32)])
+def test_descriptor_is_from_tensors(dev, shape, K):
+    """The launcher's TMA descriptor (built without Triton's per-call checks) is the one ``from_tensor`` builds on
+    the ``[rows, K]`` view: address, dtype, shape, strides, box and padding."""
+    t = torch.randn(shape).bfloat16().to(dev)
+    want = launcher.TensorDescriptor.from_tensor(t.view(-1, K), [16, 32])
+    got = launcher._descriptor(t, K, (16, 32))
+    assert isinstance(got, launcher.TensorDescriptor)
+    assert (got.base.data_ptr(), got.base.dtype, tuple(got.shape), tuple(got.strides), got.block_shape,
+            got.padding) == (want.base.data_ptr(), want.base.dtype, tuple(want.shape), tuple(want.strides),
+                             want.block_shape, want.padding)
+    with pytest.raises(ValueError):  # a box Triton refuses is still refused
+        launcher._descriptor(t, K, (16, 24))

@@ -6,10 +6,12 @@ captured in a CUDA graph once its config is known (tuned file, first config, or 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
 import torch
+from triton._utils import validate_block_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...errors import check, fail
@@ -238,10 +240,29 @@ def _config_constexprs(p: GemmPlan) -> dict:
 
 
 def _descriptors(xd: torch.Tensor, wd: torch.Tensor, K: int, block_m: int, block_n: int, block_k: int) -> tuple:
-    """TMA descriptors of x ``[rows, K]`` (BLOCK_M x BLOCK_K boxes) and w ``[G * NW, K]`` (BLOCK_N x BLOCK_K), as
-    ``config_space.set_tma_blocks`` shapes them."""
-    return (TensorDescriptor.from_tensor(xd.view(-1, K), [block_m, block_k]),
-            TensorDescriptor.from_tensor(wd.view(-1, K), [block_n, block_k]))
+    """TMA descriptors of x as ``[rows, K]`` (BLOCK_M x BLOCK_K boxes) and w as ``[G * NW, K]`` (BLOCK_N x BLOCK_K),
+    as ``config_space.set_tma_blocks`` shapes them."""
+    return _descriptor(xd, K, (block_m, block_k)), _descriptor(wd, K, (block_n, block_k))
+
+
+_DESCRIPTOR_FIELDS = [f.name for f in dataclasses.fields(TensorDescriptor)]
+_CHECKED_BLOCKS: set = set()
+
+
+def _descriptor(t: torch.Tensor, K: int, block: tuple) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor(t.view(-1, K), block)`` without its per-call checks, which hold here by
+    construction: ``t`` is contiguous bf16 (rows of K, K % 16 == 0: every row stride is 16-byte aligned; at least
+    one row: empty calls launch nothing) and the launcher aligned its base to 16 bytes; the block shape (a config's
+    tiles) is checked once. The base is ``t`` itself (the descriptor takes its address and dtype; the shape and
+    strides given are the 2-D view's). A Triton whose descriptor has other fields gets ``from_tensor``."""
+    if _DESCRIPTOR_FIELDS != ["base", "shape", "strides", "block_shape", "padding"]:
+        return TensorDescriptor.from_tensor(t.view(-1, K), list(block))
+    if block not in _CHECKED_BLOCKS:
+        validate_block_shape(list(block))
+        _CHECKED_BLOCKS.add(block)
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = t, (t.numel() // K, K), (K, 1), list(block), "zero"
+    return d
 
 
 def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=False,
