@@ -1,5 +1,5 @@
 """The eager forward's host path without the kernels: the layer at world size 1 with every kernel launch replaced
-by a no-op (``launch_cache.launch``), ``validate=False``. Per layout (and ``fused_moe``): the Python function calls
+by a no-op (``launch_cache.launch_kept``, which ``launch_cache.launch`` calls), ``validate=False``. Per layout (and ``fused_moe``): the Python function calls
 per forward (as cProfile counts them, builtins included), the host microseconds per forward (this thread's CPU time,
 best of a few loops), the
 aten ops outside the kernels, the kernel launches and the call depth from the entry point to each launch.
@@ -42,7 +42,8 @@ _ENTRY_POINTS = ("forward", "fused_moe")  # the frames the call depth is counted
 
 
 class _Launches:
-    """A stand-in for ``launch_cache.launch``: launches nothing, records each call's depth below the entry point.
+    """A stand-in for ``launch_cache.launch_kept``: launches nothing, records the depth below the entry point of each
+    call of ``launch_cache.launch`` / ``launch_kept``.
 
     It fills every int32 tensor argument with -1 (a route's slots, counts, offsets: "no pick"), so that torch ops
     of the host path that index by a kernel's output stay in bounds; the time and the calls it spends doing that
@@ -51,7 +52,7 @@ class _Launches:
     def __init__(self, counter=None):
         self.depths, self.own_s, self.counter = [], 0.0, counter
 
-    def __call__(self, kernel, grid, *args, **kwargs):
+    def __call__(self, kernel, grid, args, kwargs, kwargs_items):
         self.pause()
         self.launched(args, 2)
         return None  # "not autotuned": callers then keep their plan as it is
@@ -66,6 +67,8 @@ class _Launches:
         filled (calls paused: :meth:`pause`)."""
         t0 = time.thread_time()
         f, depth = sys._getframe(up), 1
+        while f.f_code.co_filename == launch_cache.__file__:  # the depth of the launch_cache.launch call
+            f = f.f_back
         while f is not None and f.f_code.co_name not in _ENTRY_POINTS:
             f, depth = f.f_back, depth + 1
         self.depths.append(depth if f is not None else -1)
@@ -192,8 +195,8 @@ def measure(case, args) -> dict:
     name = case if isinstance(case, str) else "/".join(case)
     counter = _Calls()
     launches = _Launches(counter)
-    real = launch_cache.launch
-    launch_cache.launch = launches
+    real = launch_cache.launch_kept
+    launch_cache.launch_kept = launches
     try:
         fwd()  # buffers, plans
         launches.depths.clear()
@@ -204,7 +207,7 @@ def measure(case, args) -> dict:
         if args.profile:
             _profile(fwd, args, name)
     finally:
-        launch_cache.launch = real
+        launch_cache.launch_kept = real
     with _LaunchPath(launches):
         launch_calls, launch_host = _time_and_count(fwd, launches, counter, args)
         if args.profile:

@@ -47,8 +47,9 @@ class _Ops(TorchDispatchMode):
 def _measure(monkeypatch, call):
     call()  # first call: compiles, autotunes, allocates buffers
     launches = []
-    real = launch_cache.launch
-    monkeypatch.setattr(launch_cache, "launch", lambda k, g, *a, **kw: launches.append(k) or real(k, g, *a, **kw))
+    real = launch_cache.launch_kept  # (launch_cache.launch calls it too)
+    monkeypatch.setattr(launch_cache, "launch_kept", lambda k, g, a, kw, items: launches.append(k) or
+                        real(k, g, a, kw, items))
     with _Ops() as ops:
         call()
     return sum(ops.count.values()), len(launches), ops.count

@@ -128,6 +128,12 @@ def _hooks_installed(info: _Kernel) -> bool:
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, the first call of a key through Triton and later ones directly (module
     doc). Returns the ``triton.Config`` the autotuner picked for this call (None when ``kernel`` is not autotuned)."""
+    return launch_kept(kernel, grid, args, kwargs, None)
+
+
+def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | None):
+    """:func:`launch` for a caller that keeps its keyword arguments between calls: ``kwargs`` is read, never
+    changed, and ``kwargs_items`` is ``tuple(kwargs.items())`` (None: computed here), made once with the dict."""
     info = _KERNELS.get(id(kernel))
     if info is None or info.kernel is not kernel:
         info = _kernel(kernel)
@@ -144,7 +150,7 @@ def launch(kernel, grid, *args, **kwargs):
     knobs = triton.knobs
     try:
         key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, types, key_of(*args),
-               tuple(kwargs.items()))
+               tuple(kwargs.items()) if kwargs_items is None else kwargs_items)
         entry = info.entries.get(key)
     except (TypeError, ValueError):  # an unhashable keyword argument, a tensor without storage
         return _through_triton(info, kernel, grid, args, kwargs)[0]

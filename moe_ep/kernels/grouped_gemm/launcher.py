@@ -199,10 +199,6 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     args = (xd, c.xgs if p.x_decoded else dummy, c.xs if c.fp8 else dummy, xgs_stride, wd,
             c.ws if w_tiles_fp4 or c.fp8 else dummy, c.wgs if c.w_fp4 else dummy, out, out_scales,
             c.row_scale if c.row_scale is not None else dummy, c.idx)
-    flags = dict(RAGGED=c.ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, FP8=c.fp8,
-                 FP8_OUT=fp8_out, SWIGLU=c.swiglu,
-                 HAS_RS=c.row_scale is not None, BLOCK_G=max(host_math.next_power_of_2(c.G), 2),
-                 SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
     chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
     if link is not None:
         if link.ready is None:
@@ -213,11 +209,10 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     tail = (*chain_args, c.G, c.M_max, c.N, K, c.S, K // 4, K // 16, p.m_bucket)
     cfg = p.config
     if cfg is not None:  # the plan has the grid and the constexprs launch_kernel's heuristics would derive: the bare
-        tma = cfg["TMA"]  # kernel, with a tuple grid (no heuristics, no grid function, no argument dict per launch)
-        descs = _descriptors(xd, wd, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if tma else (None, None)
-        pdl = _PDL if p.pdl and p.chain == "waits" else _NO_PDL  # GEMM2 as GEMM1's dependent
-        launch_cache.launch(kernels.grouped_gemm_kernel, (p.grid,), *args, *descs, *tail, **flags,
-                            **_config_constexprs(p), **pdl)
+        # kernel, with a tuple grid and the keyword arguments kept per plan (no heuristics, no grid function)
+        descs = _descriptors(xd, wd, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg["TMA"] else (None, None)
+        kw, items = _launch_kwargs(p)
+        launch_cache.launch_kept(kernels.grouped_gemm_kernel, (p.grid,), (*args, *descs, *tail), kw, items)
         return p
     ragged, G, M_max, S, N, swiglu = c.ragged, c.G, c.M_max, c.S, c.N, c.swiglu
 
@@ -226,17 +221,41 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
 
     descs = (TensorDescriptor.from_tensor(xd.view(-1, K), [16, 32]),  # tile shapes set per config
              TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32])) if p.tma_possible else (None, None)
-    best = launch_cache.launch(kernels.autotuned_kernel, programs, *args, *descs, *tail, **flags)
+    best = launch_cache.launch(kernels.autotuned_kernel, programs, *args, *descs, *tail, **_flags(p))
     return plans.autotuned(p, config_space.config_dict(best) if best is not None else None)
 
 
-_PDL, _NO_PDL = dict(launch_pdl=True), {}
+def _flags(p: GemmPlan) -> dict:
+    """The kernel's constexprs for plan ``p`` besides its tile config: layout, operand formats, epilogues, chain."""
+    return dict(RAGGED=p.ragged, W_FP4=p.w_format == "nvfp4" and not p.w_decoded, X_DECODED=p.x_decoded,
+                W_DECODED=p.w_decoded, FP8=p.x_format == "fp8", FP8_OUT=p.out_format == "fp8", SWIGLU=p.swiglu,
+                HAS_RS=p.row_scale, BLOCK_G=max(host_math.next_power_of_2(p.sizes[0]), 2),
+                SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
 
 
 def _config_constexprs(p: GemmPlan) -> dict:
     """The config of plan ``p`` with EVEN_K and PERSISTENT, as ``kernels.launch_kernel``'s heuristics derive them."""
     cfg = p.config
     return dict(cfg, EVEN_K=p.sizes[2] % cfg["BLOCK_K"] == 0, PERSISTENT=p.persistent and not cfg["TMA"])
+
+
+_KEPT_KWARGS: dict[int, tuple] = {}  # id(plan) -> (plan, keyword arguments, their items); plans are cached values
+_MAX_KEPT = 1024
+
+
+def _launch_kwargs(p: GemmPlan) -> tuple[dict, tuple]:
+    """(keyword arguments, ``tuple`` of their items) of plan ``p``'s launch with its config: a function of the plan
+    alone, made once per plan (``launch_cache.launch_kept``)."""
+    kept = _KEPT_KWARGS.get(id(p))
+    if kept is not None and kept[0] is p:
+        return kept[1], kept[2]
+    kw = dict(_flags(p), **_config_constexprs(p))
+    if p.pdl and p.chain == "waits":  # GEMM2 as GEMM1's dependent
+        kw["launch_pdl"] = True
+    if len(_KEPT_KWARGS) >= _MAX_KEPT:
+        _KEPT_KWARGS.clear()
+    _KEPT_KWARGS[id(p)] = (p, kw, tuple(kw.items()))
+    return kw, _KEPT_KWARGS[id(p)][2]
 
 
 def _descriptors(xd: torch.Tensor, wd: torch.Tensor, K: int, block_m: int, block_n: int, block_k: int) -> tuple:
