@@ -107,7 +107,7 @@ def ht_flat(d: HighThroughputFlat, w: ExpertWeights, config: EpConfig, tokens_pe
 def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, config: EpConfig,
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
-    offsets = torch.cat([d.expert_offsets, (d.expert_offsets[-1:] + d.expert_counts[-1:])])
+    offsets = torch.cat((d.expert_offsets, (d.expert_offsets + d.expert_counts)[-1:]))  # [L + 1]: + the last end
     return expert_mlp(_tokens(d.tokens, config, w), w.w13, w.w2, offsets=offsets, row_scale=d.topk_weights.float(),
                       m_hint=tokens_per_expert)
 

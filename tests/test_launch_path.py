@@ -18,7 +18,7 @@ from moe_ep.triton_runtime import INTERPRETER
 
 # (aten ops, kernel launches) per eager forward, bf16, world size 1, validate=False
 BOUNDS = {("ll", "expert_major"): (6, 5), ("ll", "rank_major"): (20, 5), ("ht", "flat"): (11, 5),
-          ("ht", "expert_major"): (13, 5), "fused_moe": (10, 5)}
+          ("ht", "expert_major"): (12, 5), "fused_moe": (10, 5)}
 
 pytestmark = pytest.mark.skipif(not INTERPRETER, reason="the counts are taken on the interpreter's host path (the "
                                 "compiled one is timed by benchmarks/bench_layer.py); the kernels' own ops are "
