@@ -1,10 +1,10 @@
 """The eager forward's host path without the kernels: the layer at world size 1 with every kernel launch replaced
-by a no-op (``launch_cache.launch_kept``, which ``launch_cache.launch`` calls), ``validate=False``. Per layout (and ``fused_moe``): the Python function calls
-per forward (as cProfile counts them, builtins included), the host microseconds per forward (this thread's CPU time,
-best of a few loops), the
-aten ops outside the kernels, the kernel launches and the call depth from the entry point to each launch.
+by a no-op (``launch_cache.launch_kept``, which ``launch_cache.launch`` calls), ``validate=False``. Per layout (and
+``fused_moe``): the Python function calls per forward (as cProfile counts them, builtins included), the host
+microseconds per forward (this thread's CPU time, best of a few loops), the aten ops outside the kernels, the kernel
+launches and the call depth from the entry point to each launch.
 
-A second measurement (the ``+launch`` columns) keeps ``launch_cache.launch`` itself and replaces only what it hands
+A second measurement (the ``+launch`` columns) keeps the launch cache itself and replaces only what it hands
 to Triton: each kernel's first call is answered by a stand-in compiled kernel (no Triton, no compile), and later
 calls run the launch cache's key, lookup, argument and grid work up to ``compiled.run``, which is the stand-in's
 no-op. Its host time is the eager forward's host path with the launch path's own cost included (all but Triton's C
@@ -105,7 +105,7 @@ class _StandInDriver:
 
 
 class _LaunchPath:
-    """``launch_cache.launch`` as it is, on a stand-in Triton (module doc): while entered, the launch cache sees no
+    """The launch cache as it is, on a stand-in Triton (module doc): while entered, the launch cache sees no
     interpreter, the stand-in driver, and its calls through Triton return a :class:`_StandInCompiled` (the
     autotuner's first config for an autotuned kernel); its kept kernels are put back on exit."""
 
