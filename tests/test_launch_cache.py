@@ -193,3 +193,34 @@ def test_unknown_types_and_defaults_go_through_triton(monkeypatch):
         triton_.call(_many_kernel, (1,), (_BASE, 1, 0.5, True, object()), dict(BLOCK=16, FLAG=True), None)
         triton_.call(_default_kernel, (1,), (_BASE, 1), {}, None)
     assert triton_.through == 6 and triton_.expected[1] == 0
+
+
+def test_grouped_gemm_launches_with_their_own_keyword_arguments(monkeypatch):
+    """The grouped GEMM launches the bare kernel with keyword arguments it keeps per plan (``launch_kept``): across
+    calls that alternate between layouts, epilogues and chain roles, each kept launch runs with the call's own
+    arguments and constexprs (as Triton would bind them) and a kernel specialized on them."""
+    from moe_ep import options
+    from moe_ep.kernels import expert_mlp, grouped_gemm
+
+    triton_ = _StandInTriton(monkeypatch)
+    real = launch_cache.launch_kept
+
+    def checked(kernel, grid, args, kwargs, items):
+        names = launch_cache._kernel(kernel).names
+        triton_.expected[0] = (*args, *(kwargs[n] for n in names[len(args):]))
+        return real(kernel, grid, args, kwargs, items)
+
+    monkeypatch.setattr(launch_cache, "launch_kept", checked)
+    G, M, K, N = 3, 8, 32, 32
+    x3, x2 = torch.zeros(G, M, K, dtype=torch.bfloat16), torch.zeros(G * M, K, dtype=torch.bfloat16)
+    w, w13, w2 = (torch.zeros(G, n, k, dtype=torch.bfloat16) for n, k in ((N, K), (2 * N, K), (K, N)))
+    cnt, off = torch.tensor([1, 0, 8], dtype=torch.int32), torch.tensor([0, 5, 5, 24], dtype=torch.int32)
+    calls = [lambda: grouped_gemm(x3, w, counts=cnt), lambda: grouped_gemm(x2, w, offsets=off),
+             lambda: grouped_gemm(x3, w13, counts=cnt, swiglu=True),
+             lambda: grouped_gemm(x2, w, offsets=off, row_scale=torch.ones(G * M)),
+             lambda: expert_mlp(x3, w13, w2, counts=cnt), lambda: expert_mlp(x2, w13, w2, offsets=off, m_hint=300)]
+    with options.override(autotune="off"):
+        for _ in range(3):
+            for call in calls:
+                call()
+    assert triton_.expected[1] >= 2 * 7  # kept launches, each checked
