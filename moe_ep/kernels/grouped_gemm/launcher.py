@@ -11,7 +11,6 @@ import numbers
 from dataclasses import dataclass
 
 import torch
-from triton._utils import validate_block_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...errors import check, fail
@@ -274,11 +273,10 @@ def _descriptor(t: torch.Tensor, K: int, block: tuple) -> TensorDescriptor:
     one row: empty calls launch nothing) and the launcher aligned its base to 16 bytes; the block shape (a config's
     tiles) is checked once. The base is ``t`` itself (the descriptor takes its address and dtype; the shape and
     strides given are the 2-D view's). A Triton whose descriptor has other fields gets ``from_tensor``."""
-    if _DESCRIPTOR_FIELDS != ["base", "shape", "strides", "block_shape", "padding"]:
-        return TensorDescriptor.from_tensor(t.view(-1, K), list(block))
-    if block not in _CHECKED_BLOCKS:
-        validate_block_shape(list(block))
+    if block not in _CHECKED_BLOCKS or _DESCRIPTOR_FIELDS != ["base", "shape", "strides", "block_shape", "padding"]:
+        d = TensorDescriptor.from_tensor(t.view(-1, K), list(block))  # Triton's own checks (once per box)
         _CHECKED_BLOCKS.add(block)
+        return d
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape, d.padding = t, (t.numel() // K, K), (K, 1), list(block), "zero"
     return d
