@@ -1,8 +1,14 @@
 """The eager forward's host path without the kernels: the layer at world size 1 with every kernel launch replaced
-by a no-op (``launch_cache.launch``), ``validate=False``. Per layout (and ``fused_moe``): the Python function calls
-per forward (as cProfile counts them, builtins included), the host microseconds per forward (this thread's CPU time,
-best of a few loops), the
-aten ops outside the kernels, the kernel launches and the call depth from the entry point to each launch.
+by a no-op (``launch_cache.launch_kept``, which ``launch_cache.launch`` calls), ``validate=False``. Per layout (and
+``fused_moe``): the Python function calls per forward (as cProfile counts them, builtins included), the host
+microseconds per forward (this thread's CPU time, best of a few loops), the aten ops outside the kernels, the kernel
+launches and the call depth from the entry point to each launch.
+
+A second measurement (the ``+launch`` columns) keeps the launch cache itself and replaces only what it hands
+to Triton: each kernel's first call is answered by a stand-in compiled kernel (no Triton, no compile), and later
+calls run the launch cache's key, lookup, argument and grid work up to ``compiled.run``, which is the stand-in's
+no-op. Its host time is the eager forward's host path with the launch path's own cost included (all but Triton's C
+launcher and the driver). The interpreter is taken as off there (no kernel runs either way).
 
 It runs anywhere (CPU included; no kernel runs, so the outputs are garbage and never read) and is the proxy for
 the eager host time that ``benchmarks/bench_layer.py`` measures on a GPU: the Python part of it, which is what
@@ -29,13 +35,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, fused_moe
 from moe_ep.commands.timing import time_host
 from moe_ep.kernels import launch_cache
+from triton.compiler import CompiledKernel
 
 CASES = (("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major"), "fused_moe")
 _ENTRY_POINTS = ("forward", "fused_moe")  # the frames the call depth is counted from
 
 
 class _Launches:
-    """A stand-in for ``launch_cache.launch``: launches nothing, records each call's depth below the entry point.
+    """A stand-in for ``launch_cache.launch_kept``: launches nothing, records the depth below the entry point of each
+    call of ``launch_cache.launch`` / ``launch_kept``.
 
     It fills every int32 tensor argument with -1 (a route's slots, counts, offsets: "no pick"), so that torch ops
     of the host path that index by a kernel's output stay in bounds; the time and the calls it spends doing that
@@ -44,11 +52,23 @@ class _Launches:
     def __init__(self, counter=None):
         self.depths, self.own_s, self.counter = [], 0.0, counter
 
-    def __call__(self, kernel, grid, *args, **kwargs):
-        t0 = time.thread_time()
+    def __call__(self, kernel, grid, args, kwargs, kwargs_items):
+        self.pause()
+        self.launched(args, 2)
+        return None  # "not autotuned": callers then keep their plan as it is
+
+    def pause(self):
+        """Stop counting calls (before :meth:`launched`, so that its own call is not counted)."""
         if self.counter is not None:
             self.counter.paused = True
-        f, depth = sys._getframe(1), 1
+
+    def launched(self, args, up: int):
+        """A launch with these arguments, made ``up`` frames above this call: depth recorded, int32 tensors
+        filled (calls paused: :meth:`pause`)."""
+        t0 = time.thread_time()
+        f, depth = sys._getframe(up), 1
+        while f.f_code.co_filename == launch_cache.__file__:  # the depth of the launch_cache.launch call
+            f = f.f_back
         while f is not None and f.f_code.co_name not in _ENTRY_POINTS:
             f, depth = f.f_back, depth + 1
         self.depths.append(depth if f is not None else -1)
@@ -58,7 +78,58 @@ class _Launches:
         if self.counter is not None:
             self.counter.paused = False
         self.own_s += time.thread_time() - t0
-        return None  # "not autotuned": callers then keep their plan as it is
+
+
+class _StandInCompiled(CompiledKernel):
+    """What the launch cache keeps for a kernel in the ``+launch`` measurement: ``run`` is the stand-in's no-op
+    launch (Triton's ``CompiledKernel.run`` is the C launcher's call)."""
+
+    def __init__(self, launches: _Launches):  # (none of CompiledKernel's own state: nothing is loaded)
+        self.launches, self.function, self.packed_metadata = launches, None, None
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *values):
+        self.launches.pause()
+        self.launches.launched(values, 3)
+
+
+class _StandInDriver:
+    """Triton's active driver as the launch cache asks it: device 0, stream 0."""
+
+    @staticmethod
+    def get_current_device():
+        return 0
+
+    @staticmethod
+    def get_current_stream(device):
+        return 0
+
+
+class _LaunchPath:
+    """The launch cache as it is, on a stand-in Triton (module doc): while entered, the launch cache sees no
+    interpreter, the stand-in driver, and its calls through Triton return a :class:`_StandInCompiled` (the
+    autotuner's first config for an autotuned kernel); its kept kernels are put back on exit."""
+
+    def __init__(self, launches: _Launches):
+        self.compiled = _StandInCompiled(launches)
+        self.launches = launches
+
+    def through_triton(self, info, kernel, grid, args, kwargs):
+        self.launches.pause()
+        self.launches.launched(args, 4)  # through _first_call (or launch) in launch_cache
+        return (kernel.configs[0] if info.autotuner is not None else None), self.compiled
+
+    def __enter__(self):
+        self.saved = (launch_cache.INTERPRETER, launch_cache._driver, launch_cache._through_triton,
+                      dict(launch_cache._KERNELS))
+        launch_cache._KERNELS.clear()
+        launch_cache.INTERPRETER, launch_cache._driver = False, lambda: _StandInDriver
+        launch_cache._through_triton = self.through_triton
+        return self
+
+    def __exit__(self, *exc):
+        launch_cache.INTERPRETER, launch_cache._driver, launch_cache._through_triton, kept = self.saved
+        launch_cache._KERNELS.clear()
+        launch_cache._KERNELS.update(kept)
 
 
 class _Calls:
@@ -104,40 +175,55 @@ def forward_of(case, E: int, K: int, H: int, I: int, B: int):
     return lambda: layer(x, idx, wts, validate=False)
 
 
+def _time_and_count(fwd, launches: _Launches, counter: _Calls, args) -> tuple[float, float]:
+    """(Python calls, host seconds) per forward; the stand-in's own time taken out of each loop's."""
+    fwd()  # buffers, plans (and in the +launch measurement the launch cache's entries)
+    counter.n = 0
+    counter.run(lambda: [fwd() for _ in range(args.iters)])
+    calls = counter.n / args.iters
+    best = float("inf")
+    for _ in range(args.repeats):
+        launches.own_s = 0.0
+        t = time_host(fwd, iters=args.iters, repeats=1, clock=time.thread_time)
+        best = min(best, t - launches.own_s / (args.iters + 1))
+    return calls, best
+
+
 def measure(case, args) -> dict:
     B = args.ll_tokens if case[0] == "ll" else args.ht_tokens
     fwd = forward_of(case, args.experts, args.top_k, args.hidden, args.inter, B)
     name = case if isinstance(case, str) else "/".join(case)
     counter = _Calls()
     launches = _Launches(counter)
-    real = launch_cache.launch
-    launch_cache.launch = launches
+    real = launch_cache.launch_kept
+    launch_cache.launch_kept = launches
     try:
         fwd()  # buffers, plans
         launches.depths.clear()
         with _AtenOps(counter) as ops:
             fwd()
         depths = list(launches.depths)
-        counter.run(lambda: [fwd() for _ in range(args.iters)])
-        calls = counter.n / args.iters
+        calls, host = _time_and_count(fwd, launches, counter, args)
         if args.profile:
-            prof = cProfile.Profile()
-            prof.runcall(lambda: [fwd() for _ in range(args.iters)])
-            with open(os.path.join(args.profile, f"host_path_{name.replace('/', '_')}.txt"), "w") as f:
-                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
-                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
-        launches.own_s = 0.0
-        best = float("inf")
-        for _ in range(args.repeats):  # the stand-in's own time taken out of each loop's
-            launches.own_s = 0.0
-            t = time_host(fwd, iters=args.iters, repeats=1, clock=time.thread_time)
-            best = min(best, t - launches.own_s / (args.iters + 1))
-        host = best
+            _profile(fwd, args, name)
     finally:
-        launch_cache.launch = real
+        launch_cache.launch_kept = real
+    with _LaunchPath(launches):
+        launch_calls, launch_host = _time_and_count(fwd, launches, counter, args)
+        if args.profile:
+            _profile(fwd, args, name + "+launch")
     return {"case": name, "tokens": B, "python_calls": calls, "host_us": host * 1e6,
+            "launch_python_calls": launch_calls, "launch_host_us": launch_host * 1e6,
             "aten_ops": sum(ops.count.values()), "launches": len(depths), "launch_depths": depths,
             "aten_detail": dict(ops.count.most_common())}
+
+
+def _profile(fwd, args, name: str) -> None:
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [fwd() for _ in range(args.iters)])
+    with open(os.path.join(args.profile, f"host_path_{name.replace('/', '_')}.txt"), "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
 
 
 def main():
@@ -166,12 +252,14 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
-    print(f"{'case':<18}{'tokens':>7}{'py calls':>10}{'host us':>10}{'aten ops':>10}{'launches':>10}  call depth")
+    print(f"{'case':<18}{'tokens':>7}{'py calls':>10}{'host us':>10}{'+launch calls':>15}{'+launch us':>12}"
+          f"{'aten ops':>10}{'launches':>10}  call depth")
     for r in results:
         d = r["launch_depths"]
         depth = f"{min(d)}-{max(d)}" if d else "-"
-        print(f"{r['case']:<18}{r['tokens']:>7}{r['python_calls']:>10.0f}{r['host_us']:>10.1f}{r['aten_ops']:>10}"
-              f"{r['launches']:>10}  {depth}")
+        print(f"{r['case']:<18}{r['tokens']:>7}{r['python_calls']:>10.0f}{r['host_us']:>10.1f}"
+              f"{r['launch_python_calls']:>15.0f}{r['launch_host_us']:>12.1f}{r['aten_ops']:>10}{r['launches']:>10}"
+              f"  {depth}")
 
 
 if __name__ == "__main__":

@@ -622,6 +622,13 @@ def _issue18_cases(dev):
         ("out list", lambda: grouped_gemm(x, w, counts=cnt, out=[]), (err, "out.dtype")),
         ("mlp no layout", lambda: expert_mlp(x, w13, w2), (err, "(counts, offsets)")),
         ("mlp x list", lambda: expert_mlp(x.tolist(), w13, w2, counts=cnt), (err, "type(x)")),
+        # GEMM2's own arguments (its x, GEMM1's output, is not checked again; these are the caller's)
+        ("mlp w2 fp32", lambda: expert_mlp(x, w13, w2.float(), counts=cnt), (err, "w.dtype")),
+        ("mlp row_scale list", lambda: expert_mlp(x, w13, w2, counts=cnt, row_scale=[1.0] * 8),
+         (err, "row_scale.dtype")),
+        ("mlp row_scale shape", lambda: expert_mlp(x, w13, w2, counts=cnt, row_scale=torch.ones(G, M + 1, device=dev)),
+         (err, "row_scale.shape")),
+        ("mlp out shape", lambda: expert_mlp(x, w13, w2, counts=cnt, out=x[:, :, :16]), (err, "out.shape")),
         ("plan m_hint str", lambda: plan_grouped_gemm(x, w, counts=cnt, m_hint="abc"), (err, "m_hint = 'abc'")),
         ("config bad", lambda: grouped_gemm(x, w, counts=cnt, config=dict(_ODD, GROUP_M=0)),
          (MoEEpConfigError, "config.GROUP_M = 0")),
@@ -737,3 +744,47 @@ def test_plan_before_and_after_launch(dev):
     empty = plan_grouped_gemm(torch.zeros(0, 32, dtype=torch.bfloat16, device=dev), w,
                               offsets=torch.zeros(3, dtype=torch.int32, device=dev))
     assert (empty.config_source, empty.grid, empty.config) == ("no-launch", 0, None)
+
+
+_GRID_SHAPES = [(False, 4, 1, 16), (False, 8, 700, 64), (False, 64, 4096, 32), (True, 8, 0, 2048), (True, 32, 0, 33),
+                (True, 3, 0, 1)]  # (ragged, G, M_max, S): masked grids both ways, ragged ones of many sizes
+
+
+@pytest.mark.parametrize("i", range(len(_SPACE)), ids=[f"config{i}" for i in range(len(_SPACE))])
+def test_launch_takes_what_launch_kernels_heuristics_derive(monkeypatch, i):
+    """The launcher launches the bare kernel with EVEN_K, PERSISTENT and the grid from the plan: for every config of
+    the space, layouts, sizes, TMA both ways, they are what ``launch_kernel``'s heuristics and the grid function of
+    an autotuned launch give (a mismatch would compile and launch another variant than a tuned file's)."""
+    monkeypatch.setattr(device_facts, "tma_supported", lambda: True)
+    for tma in (False, True):
+        cfg = dict(_SPACE[i], TMA=tma)
+        for ragged, G, M_max, S in _GRID_SHAPES:
+            S = S if ragged else G * M_max
+            for N, K, swiglu in ((40, 96, True), (256, 4096, False), (7168, 2048, True)):
+                p = gemm_plan._with_config(gemm_plan.GemmPlan(
+                    layout="ragged" if ragged else "masked", sizes=(G, N, K, M_max, S), m_bucket=256,
+                    x_format="bf16", w_format="bf16", x_decoded=False, w_decoded=False, swiglu=swiglu,
+                    row_scale=False, config=None, config_source="forced", config_file=None, tma_possible=tma,
+                    tma=None, persistent=None, grid=None), cfg)
+                full = dict(cfg, RAGGED=ragged, G=G, M_MAX=M_max, S=S, N=N, K=K, SWIGLU=swiglu)
+                for name, fn in kernels.launch_kernel.values.items():
+                    full[name] = fn(full)
+                assert launcher._config_constexprs(p) == {k: full[k] for k in (*cfg, "EVEN_K", "PERSISTENT")}
+                assert p.grid == schedule.grid_size(full, ragged, G, M_max, S, N, swiglu)
+
+
+@pytest.mark.parametrize("shape, K", [((40, 96), 96), ((3, 24, 64), 64), ((2, 200, 32), 32)])
+def test_descriptor_is_from_tensors(dev, shape, K):
+    """The launcher's TMA descriptor (built without Triton's per-call checks) is the one ``from_tensor`` builds on
+    the ``[rows, K]`` view: address, dtype, shape, strides, box and padding."""
+    t = torch.randn(shape).bfloat16().to(dev)
+    want = launcher.TensorDescriptor.from_tensor(t.view(-1, K), [16, 32])
+    launcher._descriptor(t, K, (16, 32))  # (the first of a box is from_tensor's own)
+    got = launcher._descriptor(t, K, (16, 32))
+    assert isinstance(got, launcher.TensorDescriptor)
+    assert (got.base.data_ptr(), got.base.dtype, tuple(got.shape), tuple(got.strides), got.block_shape,
+            got.padding) == (want.base.data_ptr(), want.base.dtype, tuple(want.shape), tuple(want.strides),
+                             want.block_shape, want.padding)
+    for _ in range(2):  # a box Triton refuses is refused every time
+        with pytest.raises(ValueError):
+            launcher._descriptor(t, K, (16, 24))

@@ -68,3 +68,159 @@ def test_launches_agree_with_triton_across_keys(dev, kernel, kw):
                     launch_cache.launch(kernel, (triton.cdiv(n, block),), x, out, n, 2.5, **kw)
                     assert torch.equal(out[:n], x + 2.5), (n, off, dtype)
                     assert bool((out[n:] == -7.0).all()), (n, off, dtype)
+
+
+# ---- the cache's own path, on any machine: Triton stood in for below the launch cache ----------------------------
+# Each call through "Triton" returns a kernel tagged with what Triton specializes that call on (its own
+# native_specialize_impl for the runtime arguments, the constexprs' values and types); a kept kernel launched for a call
+# whose specialization differs, or with other argument values than the call's, fails the run's asserts.
+
+def _specialized(v):
+    try:
+        return _triton(v)
+    except TypeError:  # a type Triton does not launch with (the stand-in never launches it anyway)
+        return type(v)
+
+
+def _triton_view(values, n_runtime):
+    return (tuple(_specialized(v) for v in values[:n_runtime]),
+            tuple((type(v), v) for v in values[n_runtime:]))
+
+
+class _Tagged(launch_cache.CompiledKernel):
+    def __init__(self, tag, n_runtime, expected):
+        self.tag, self.n_runtime, self.expected, self.function, self.packed_metadata = tag, n_runtime, expected, 1, 2
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_hook, *values):
+        assert (function, metadata) == (1, 2)
+        assert _triton_view(values, self.n_runtime) == self.tag, "a kept kernel launched for another specialization"
+        want = self.expected[0]
+        assert len(values) == len(want) and all(a is b or (type(a) is type(b) and a == b) for a, b in
+                                                zip(values, want)), "launched with other values than the call's"
+        self.expected[1] += 1
+
+
+class _StandInTriton:
+    """The launch cache with the interpreter taken as off and Triton's launch stood in for (above)."""
+
+    def __init__(self, monkeypatch):
+        self.expected = [None, 0]  # the call's full values; kept-kernel launches seen
+        self.through = 0
+        monkeypatch.setattr(launch_cache, "INTERPRETER", False)
+        monkeypatch.setattr(launch_cache, "_driver", lambda: self)
+        monkeypatch.setattr(launch_cache, "_through_triton", self._through_triton)
+        monkeypatch.setattr(launch_cache, "_KERNELS", {})
+
+    @staticmethod
+    def get_current_device():
+        return 0
+
+    @staticmethod
+    def get_current_stream(device):
+        return 0
+
+    def _through_triton(self, info, kernel, grid, args, kwargs):
+        self.through += 1
+        config = None
+        full = dict(zip(info.names, args), **kwargs)
+        if info.autotuner is not None:  # a pick that depends on the tuning key alone, as the autotuner's
+            config = info.autotuner.configs[hash(tuple(full[k] for k in info.autotuner.keys)) % 2]
+            full.update(config.all_kwargs())
+        if info.heuristics is not None:
+            for name, fn in info.heuristics.values.items():
+                full[name] = fn(full)
+        values = tuple(full.get(n) for n in info.names)
+        return config, _Tagged(_triton_view(values, len(args)), len(args), self.expected)
+
+    def call(self, kernel, grid, args, kwargs, full_values):
+        self.expected[0] = full_values
+        return launch_cache.launch(kernel, grid, *args, **kwargs)
+
+
+@triton.jit
+def _many_kernel(t, i, f, b, n, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+    pass
+
+
+_heuristic_many = triton.heuristics({"FLAG": lambda a: a["i"] % 3 == 0})(_many_kernel)
+_autotuned_many = triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
+                                  key=["i"])(_heuristic_many)
+
+_BASE = torch.zeros(256)
+_TENSORS = [_BASE, _BASE[1:], _BASE[4:], _BASE.half(), _BASE.int(), _BASE.bfloat16()[8:]]
+
+
+def _calls():
+    """Positional arguments across every class the key separates (and many that fall into one class)."""
+    out = []
+    for i in INTS[::2] + [3, 48]:
+        for t in _TENSORS:
+            out.append((t, i, 0.5, i % 2 == 0, None if i % 5 else 7))
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["plain", "heuristics", "autotuned"])
+def test_kept_kernels_launch_only_for_their_specialization(monkeypatch, kernel):
+    """Many calls in an order that alternates between keys, each with the arguments Triton would bind: a kept
+    kernel launched for a call of another specialization, or with another call's values, fails in its run."""
+    triton_ = _StandInTriton(monkeypatch)
+    for _ in range(2):
+        for args in _calls():
+            if kernel == "plain":
+                for block, flag in ((16, False), (32, True)):
+                    triton_.call(_many_kernel, (1,), args, dict(BLOCK=block, FLAG=flag), (*args, block, flag))
+                    triton_.call(_many_kernel, lambda meta: (meta["BLOCK"],), args, dict(BLOCK=block, FLAG=flag),
+                                 (*args, block, flag))
+            elif kernel == "heuristics":
+                triton_.call(_heuristic_many, (1,), args, dict(BLOCK=16), (*args, 16, args[1] % 3 == 0))
+            else:
+                i = args[1]
+                block = (16, 32)[hash((i,)) % 2]
+                config = triton_.call(_autotuned_many, lambda meta: (meta["BLOCK"],), args, {},
+                                      (*args, block, i % 3 == 0))
+                assert config.kwargs["BLOCK"] == block
+    assert triton_.expected[1] > triton_.through  # most launches were the cache's own
+
+
+@triton.jit
+def _default_kernel(t, n, BLOCK: tl.constexpr = 16):
+    pass
+
+
+def test_unknown_types_and_defaults_go_through_triton(monkeypatch):
+    triton_ = _StandInTriton(monkeypatch)
+    for _ in range(3):
+        triton_.call(_many_kernel, (1,), (_BASE, 1, 0.5, True, object()), dict(BLOCK=16, FLAG=True), None)
+        triton_.call(_default_kernel, (1,), (_BASE, 1), {}, None)
+    assert triton_.through == 6 and triton_.expected[1] == 0
+
+
+def test_grouped_gemm_launches_with_their_own_keyword_arguments(monkeypatch):
+    """The grouped GEMM launches the bare kernel with keyword arguments it keeps per plan (``launch_kept``): across
+    calls that alternate between layouts, epilogues and chain roles, each kept launch runs with the call's own
+    arguments and constexprs (as Triton would bind them) and a kernel specialized on them."""
+    from moe_ep import options
+    from moe_ep.kernels import expert_mlp, grouped_gemm
+
+    triton_ = _StandInTriton(monkeypatch)
+    real = launch_cache.launch_kept
+
+    def checked(kernel, grid, args, kwargs, items):
+        names = launch_cache._kernel(kernel).names
+        triton_.expected[0] = (*args, *(kwargs[n] for n in names[len(args):]))
+        return real(kernel, grid, args, kwargs, items)
+
+    monkeypatch.setattr(launch_cache, "launch_kept", checked)
+    G, M, K, N = 3, 8, 32, 32
+    x3, x2 = torch.zeros(G, M, K, dtype=torch.bfloat16), torch.zeros(G * M, K, dtype=torch.bfloat16)
+    w, w13, w2 = (torch.zeros(G, n, k, dtype=torch.bfloat16) for n, k in ((N, K), (2 * N, K), (K, N)))
+    cnt, off = torch.tensor([1, 0, 8], dtype=torch.int32), torch.tensor([0, 5, 5, 24], dtype=torch.int32)
+    calls = [lambda: grouped_gemm(x3, w, counts=cnt), lambda: grouped_gemm(x2, w, offsets=off),
+             lambda: grouped_gemm(x3, w13, counts=cnt, swiglu=True),
+             lambda: grouped_gemm(x2, w, offsets=off, row_scale=torch.ones(G * M)),
+             lambda: expert_mlp(x3, w13, w2, counts=cnt), lambda: expert_mlp(x2, w13, w2, offsets=off, m_hint=300)]
+    with options.override(autotune="off"):
+        for _ in range(3):
+            for call in calls:
+                call()
+    assert triton_.expected[1] >= 2 * 7  # kept launches, each checked

@@ -14,6 +14,12 @@ Triton's debug and instrumentation knobs, the autotuner's key values (its pick d
 heuristic's value, evaluated on each call as Triton would. Under the interpreter, with a launch hook installed
 (profilers), for an argument of a type the key does not know, or when the kernel has a parameter the call leaves to
 its default, every call goes through Triton.
+
+The key is computed by a function generated once per kernel and per tuple of argument types (as Triton generates
+its binder): one call with the specialization of every argument written out inline, instead of one call per
+argument. What a kept kernel is launched with past the positional arguments (keyword arguments, the autotuner's
+config, the heuristics' values) is fixed by the key and kept with it, so a launch of a plain ``triton.jit`` kernel
+with a tuple grid builds no argument dict at all.
 """
 
 from __future__ import annotations
@@ -31,27 +37,45 @@ from ..triton_runtime import INTERPRETER
 _MAX_ENTRIES = 512  # per kernel; a caller meeting more keys than this starts over (the cache stays bounded)
 _I32 = (-2 ** 31, 2 ** 31)
 _I64 = (-2 ** 63, 2 ** 63)
+_UNKNOWN = object()  # a type tuple with a type the key does not know: such calls go through Triton
 
 
-def _int_class(v: int):
-    if v == 1:
-        return 1
-    size = 32 if _I32[0] <= v < _I32[1] else 64 if _I64[0] <= v < _I64[1] else 65
-    return size, v % 16 == 0
+def _spec_source(t: type, a: str) -> str | None:
+    """Python source of what Triton specializes an argument ``a`` of type ``t`` on (with the type itself, which the
+    key holds), or None for a type the key does not know."""
+    if issubclass(t, torch.Tensor):
+        return f"{a}.dtype, {a}.data_ptr() % 16 == 0"
+    if t is int:  # 1; a multiple of 16; 32 or 64 bits (or past them: unsigned 64)
+        return f"{a} == 1, {a} % 16 == 0, {_I32[0]} <= {a} < {_I32[1]}, {_I64[0]} <= {a} < {_I64[1]}"
+    if t is bool or t is float or t is type(None):
+        return ""  # the type alone
+    if issubclass(t, TensorDescriptor):
+        return f"{a}.base.dtype, {a}.base.data_ptr() % 16 == 0, tuple({a}.block_shape), {a}.padding"
+    return None
+
+
+def _key_function(types: tuple, tune_positions: tuple):
+    """``f(*args) -> tuple``: the specialization of arguments of these types (Triton's rules, module doc) and the
+    values of the positional autotuning keys; :data:`_UNKNOWN` when a type is not one the key knows."""
+    names = [f"a{i}" for i in range(len(types))]
+    parts = [_spec_source(t, a) for t, a in zip(types, names)]
+    if None in parts:
+        return _UNKNOWN
+    parts += [names[i] for i in tune_positions if i < len(names)]
+    body = ", ".join(p for p in parts if p)
+    source = f"def key({', '.join(names)}):\n    return ({body}{',' if body else ''})\n"
+    namespace = {}
+    exec(source, namespace)  # noqa: S102  (source built above from argument positions alone)
+    return namespace["key"]
 
 
 def _spec(a):
-    """What Triton specializes a positional argument on (a hashable value), or raise TypeError for an unknown type."""
-    t = type(a)
-    if t is torch.Tensor or isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if t is int:
-        return _int_class(a)
-    if t is bool or t is float or a is None:
-        return t
-    if isinstance(a, TensorDescriptor):
-        return "desc", a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.block_shape), a.padding
-    raise TypeError(type(a).__name__)
+    """What the key holds for one positional argument ``a`` (its type and its specialization); TypeError for a type
+    the key does not know (the tests compare it with Triton's own specialization)."""
+    f = _key_function((type(a),), ())
+    if f is _UNKNOWN:
+        raise TypeError(type(a).__name__)
+    return type(a), f(a)
 
 
 class _Entry:
@@ -59,14 +83,16 @@ class _Entry:
 
     def __init__(self, config):
         self.config = config  # the autotuner's pick for this key (None: not autotuned)
-        self.compiled = {}    # heuristic values -> CompiledKernel
+        self.compiled = {}    # heuristic values -> (C launcher, function, packed metadata, values past the args)
 
 
 class _Kernel:
     """How a (possibly autotuned, possibly heuristics-wrapped) kernel unwraps, and its cache."""
-    __slots__ = ("autotuner", "heuristics", "jit", "names", "tune_keys", "entries")
+    __slots__ = ("kernel", "autotuner", "heuristics", "jit", "names", "tune_keys", "tune_positions", "plain",
+                 "entries", "key_functions")
 
     def __init__(self, kernel):
+        self.kernel = kernel
         self.autotuner = kernel if isinstance(kernel, Autotuner) else None
         inner = kernel.fn if self.autotuner is not None else kernel
         self.heuristics = inner if isinstance(inner, Heuristics) else None
@@ -74,17 +100,20 @@ class _Kernel:
         self.names = tuple(self.jit.arg_names)
         # the autotuner's key arguments, with their positions (its pick depends on their values)
         self.tune_keys = tuple((k, self.names.index(k)) for k in (self.autotuner.keys if self.autotuner else ()))
+        self.tune_positions = tuple(i for _, i in self.tune_keys)
+        self.plain = self.autotuner is None and self.heuristics is None  # a bare triton.jit kernel
         self.entries = {}
+        self.key_functions = {}  # argument types -> key function (_key_function)
 
 
-_KERNELS: dict[int, tuple[object, _Kernel]] = {}
+_KERNELS: dict[int, _Kernel] = {}
 
 
 def _kernel(kernel) -> _Kernel:
-    found = _KERNELS.get(id(kernel))
-    if found is None or found[0] is not kernel:
-        found = _KERNELS[id(kernel)] = (kernel, _Kernel(kernel))
-    return found[1]
+    info = _KERNELS.get(id(kernel))
+    if info is None or info.kernel is not kernel:
+        info = _KERNELS[id(kernel)] = _Kernel(kernel)
+    return info
 
 
 def _hooks_installed(info: _Kernel) -> bool:
@@ -99,38 +128,55 @@ def _hooks_installed(info: _Kernel) -> bool:
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, the first call of a key through Triton and later ones directly (module
     doc). Returns the ``triton.Config`` the autotuner picked for this call (None when ``kernel`` is not autotuned)."""
-    info = _kernel(kernel)
+    return launch_kept(kernel, grid, args, kwargs, None)
+
+
+def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | None):
+    """:func:`launch` for a caller that keeps its keyword arguments between calls: ``kwargs`` is read, never
+    changed, and ``kwargs_items`` is ``tuple(kwargs.items())`` (None: computed here), made once with the dict."""
+    info = _KERNELS.get(id(kernel))
+    if info is None or info.kernel is not kernel:
+        info = _kernel(kernel)
     if INTERPRETER or _hooks_installed(info):
         return _through_triton(info, kernel, grid, args, kwargs)[0]
-    device = _driver().get_current_device()
+    types = tuple(map(type, args))
+    key_of = info.key_functions.get(types)
+    if key_of is None:
+        key_of = info.key_functions[types] = _key_function(types, info.tune_positions)
+    if key_of is _UNKNOWN:
+        return _through_triton(info, kernel, grid, args, kwargs)[0]
+    drv = _driver()
+    device = drv.get_current_device()
+    knobs = triton.knobs
     try:
-        knobs = triton.knobs
-        key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, tuple(map(_spec, args)),
-               tuple(kwargs.items()), tuple(args[i] if i < len(args) else kwargs.get(k) for k, i in info.tune_keys))
+        key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, types, key_of(*args),
+               tuple(kwargs.items()) if kwargs_items is None else kwargs_items)
         entry = info.entries.get(key)
-    except (TypeError, ValueError):  # an argument of a type the key does not know, or an unhashable one
+    except (TypeError, ValueError):  # an unhashable keyword argument, a tensor without storage
         return _through_triton(info, kernel, grid, args, kwargs)[0]
     if entry is None:
         return _first_call(info, kernel, grid, args, kwargs, key)
-    full = dict(zip(info.names, args))
-    full.update(kwargs)
     config = entry.config
-    if config is not None:
-        full.update(config.all_kwargs())
-    heur = _heuristic_values(info, full)
-    compiled = entry.compiled.get(heur)
-    if compiled is None:  # a heuristic came out another way: Triton compiles that variant
-        return _first_call(info, kernel, grid, args, kwargs, key)
-    try:
-        values = [full[n] for n in info.names]
-    except KeyError:  # a parameter left to its default: Triton binds it
-        return _through_triton(info, kernel, grid, args, kwargs)[0]
-    if config is not None and config.pre_hook is not None:
-        config.pre_hook(full)
+    if info.plain and not callable(grid):  # no argument dict to build: the kept values past the args are these
+        kept = entry.compiled.get(())
+        if kept is None:
+            return _first_call(info, kernel, grid, args, kwargs, key)
+        full = None
+    else:
+        full = dict(zip(info.names, args))
+        full.update(kwargs)
+        if config is not None:
+            full.update(config.all_kwargs())
+        kept = entry.compiled.get(_heuristic_values(info, full))
+        if kept is None:  # a heuristic came out another way: Triton compiles that variant
+            return _first_call(info, kernel, grid, args, kwargs, key)
+        if config is not None and config.pre_hook is not None:
+            config.pre_hook(full)
+    run, function, metadata, tail = kept
     g = grid(full) if callable(grid) else grid
     n = len(g)
-    compiled.run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, _driver().get_current_stream(device),
-                 compiled.function, compiled.packed_metadata, None, None, None, *values)
+    run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, drv.get_current_stream(device), function, metadata,
+        None, None, None, *args, *tail)
     return config
 
 
@@ -165,9 +211,14 @@ def _first_call(info: _Kernel, kernel, grid, args, kwargs, key):
     if config is not None:
         full.update(config.all_kwargs())
     heur = _heuristic_values(info, full)
+    try:  # the values past the positional arguments, as Triton bound them (fixed by the key, the config, heur)
+        tail = tuple(full[n] for n in info.names[len(args):])
+    except KeyError:  # a parameter left to its default: every call goes through Triton
+        return config
     if len(info.entries) >= _MAX_ENTRIES:
         info.entries.clear()
     entry = info.entries.setdefault(key, _Entry(config))
     if entry.config is config:
-        entry.compiled[heur] = compiled
+        run = compiled.run  # (loads the launcher: Triton's own launch has, but only through this property)
+        entry.compiled[heur] = (run, compiled.function, compiled.packed_metadata, tail)
     return config

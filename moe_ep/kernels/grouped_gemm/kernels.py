@@ -364,6 +364,9 @@ def _grouped_gemm_kernel(
 
 
 _KEY = ["M_BUCKET", "N", "K", "RAGGED", "W_FP4", "FP8", "FP8_OUT", "SWIGLU", "HAS_RS"]
+grouped_gemm_kernel = _grouped_gemm_kernel
+"""The kernel as it is: launched with EVEN_K and PERSISTENT given (the launcher takes them, and the grid, from the
+plan, which derives them as ``launch_kernel``'s heuristics do)."""
 launch_kernel = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
                                    "PERSISTENT": lambda a: schedule.persistent_grid(a)})(_grouped_gemm_kernel)
 """The kernel with EVEN_K and PERSISTENT derived from its arguments: launched with a chosen config."""

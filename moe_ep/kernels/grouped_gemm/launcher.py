@@ -6,6 +6,7 @@ captured in a CUDA graph once its config is known (tuned file, first config, or 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
@@ -164,7 +165,7 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
     if first is not None and p1.config is not None:  # chained, and GEMM1 had rows
         second = Link(first.ready, (p1.config["BLOCK_M"], host_math.cdiv(I2 // 2, p1.config["BLOCK_N"])),
                       first.pdl and not _shares_memory(out, x))
-    call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint, False)
+    call2 = _check(h, w2, counts, offsets, False, row_scale, out, m_hint, False, first_gemm=call1)
     p2 = _launch(call2, _plan(call2, second, None, env), second)
     return (call2.out, (p1, p2)) if return_plan else call2.out
 
@@ -197,54 +198,112 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     args = (xd, c.xgs if p.x_decoded else dummy, c.xs if c.fp8 else dummy, xgs_stride, wd,
             c.ws if w_tiles_fp4 or c.fp8 else dummy, c.wgs if c.w_fp4 else dummy, out, out_scales,
             c.row_scale if c.row_scale is not None else dummy, c.idx)
+    chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
+    if link is not None:
+        if link.ready is None:
+            link.ready = torch.zeros(c.G, dtype=torch.int32, device=xd.device)
+        chain_args = (link.ready, *(link.wait or (1, 1)))
+        link.pdl = p.pdl  # timed configs run one after another: a searched GEMM1 is followed by a plain launch
+        link.launched = args
+    tail = (*chain_args, c.G, c.M_max, c.N, K, c.S, K // 4, K // 16, p.m_bucket)
+    cfg = p.config
+    if cfg is not None:  # the plan has the grid and the constexprs launch_kernel's heuristics would derive: the bare
+        # kernel, with a tuple grid and the keyword arguments kept per plan (no heuristics, no grid function)
+        descs = _descriptors(xd, wd, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg["TMA"] else (None, None)
+        kw, items = _launch_kwargs(p)
+        launch_cache.launch_kept(kernels.grouped_gemm_kernel, (p.grid,), (*args, *descs, *tail), kw, items)
+        return p
     ragged, G, M_max, S, N, swiglu = c.ragged, c.G, c.M_max, c.S, c.N, c.swiglu
 
     def programs(meta):
         return (schedule.grid_size(meta, ragged, G, M_max, S, N, swiglu),)
 
-    def descriptors():  # tile shapes set per config (config_space.set_tma_blocks)
-        return (TensorDescriptor.from_tensor(xd.view(-1, K), [16, 32]),
-                TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32]))
-
-    flags = dict(RAGGED=ragged, W_FP4=w_tiles_fp4, X_DECODED=p.x_decoded, W_DECODED=p.w_decoded, FP8=c.fp8,
-                 FP8_OUT=fp8_out, SWIGLU=swiglu,
-                 HAS_RS=c.row_scale is not None, BLOCK_G=max(host_math.next_power_of_2(G), 2),
-                 SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
-    chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
-    if link is not None:
-        if link.ready is None:
-            link.ready = torch.zeros(G, dtype=torch.int32, device=out.device)
-        chain_args = (link.ready, *(link.wait or (1, 1)))
-        link.pdl = p.pdl  # timed configs run one after another: a searched GEMM1 is followed by a plain launch
-        link.launched = args
-    tail = (*chain_args, G, M_max, N, K, S, K // 4, K // 16, p.m_bucket)
-    if p.config is not None:
-        descs = (None, None)
-        if p.config["TMA"]:
-            descs = descriptors()
-            config_space.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **p.config))
-        pdl = dict(launch_pdl=True) if p.pdl and p.chain == "waits" else {}  # GEMM2 as GEMM1's dependent
-        launch_cache.launch(kernels.launch_kernel, programs, *args, *descs, *tail, **flags, **p.config, **pdl)
-        return p
-    best = launch_cache.launch(kernels.autotuned_kernel, programs, *args,
-                               *(descriptors() if p.tma_possible else (None, None)), *tail, **flags)
+    descs = (TensorDescriptor.from_tensor(xd.view(-1, K), [16, 32]),  # tile shapes set per config
+             TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32])) if p.tma_possible else (None, None)
+    best = launch_cache.launch(kernels.autotuned_kernel, programs, *args, *descs, *tail, **_flags(p))
     return plans.autotuned(p, config_space.config_dict(best) if best is not None else None)
 
 
-def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=False) -> _Call:
+def _flags(p: GemmPlan) -> dict:
+    """The kernel's constexprs for plan ``p`` besides its tile config: layout, operand formats, epilogues, chain."""
+    return dict(RAGGED=p.ragged, W_FP4=p.w_format == "nvfp4" and not p.w_decoded, X_DECODED=p.x_decoded,
+                W_DECODED=p.w_decoded, FP8=p.x_format == "fp8", FP8_OUT=p.out_format == "fp8", SWIGLU=p.swiglu,
+                HAS_RS=p.row_scale, BLOCK_G=max(host_math.next_power_of_2(p.sizes[0]), 2),
+                SIGNAL=p.chain == "counts", WAIT=p.chain == "waits", PDL=p.pdl)
+
+
+def _config_constexprs(p: GemmPlan) -> dict:
+    """The config of plan ``p`` with EVEN_K and PERSISTENT, as ``kernels.launch_kernel``'s heuristics derive them."""
+    cfg = p.config
+    return dict(cfg, EVEN_K=p.sizes[2] % cfg["BLOCK_K"] == 0, PERSISTENT=p.persistent and not cfg["TMA"])
+
+
+_KEPT_KWARGS: dict[int, tuple] = {}  # id(plan) -> (plan, keyword arguments, their items); plans are cached values
+_MAX_KEPT = 1024
+
+
+def _launch_kwargs(p: GemmPlan) -> tuple[dict, tuple]:
+    """(keyword arguments, ``tuple`` of their items) of plan ``p``'s launch with its config: a function of the plan
+    alone, made once per plan (``launch_cache.launch_kept``)."""
+    kept = _KEPT_KWARGS.get(id(p))
+    if kept is not None and kept[0] is p:
+        return kept[1], kept[2]
+    kw = dict(_flags(p), **_config_constexprs(p))
+    if p.pdl and p.chain == "waits":  # GEMM2 as GEMM1's dependent
+        kw["launch_pdl"] = True
+    if len(_KEPT_KWARGS) >= _MAX_KEPT:
+        _KEPT_KWARGS.clear()
+    _KEPT_KWARGS[id(p)] = (p, kw, tuple(kw.items()))
+    return kw, _KEPT_KWARGS[id(p)][2]
+
+
+def _descriptors(xd: torch.Tensor, wd: torch.Tensor, K: int, block_m: int, block_n: int, block_k: int) -> tuple:
+    """TMA descriptors of x as ``[rows, K]`` (BLOCK_M x BLOCK_K boxes) and w as ``[G * NW, K]`` (BLOCK_N x BLOCK_K),
+    as ``config_space.set_tma_blocks`` shapes them."""
+    return _descriptor(xd, K, (block_m, block_k)), _descriptor(wd, K, (block_n, block_k))
+
+
+_DESCRIPTOR_FIELDS = [f.name for f in dataclasses.fields(TensorDescriptor)]
+_CHECKED_BLOCKS: set = set()
+
+
+def _descriptor(t: torch.Tensor, K: int, block: tuple) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor(t.view(-1, K), block)`` without its per-call checks, which hold here by
+    construction: ``t`` is contiguous bf16 (rows of K, K % 16 == 0: every row stride is 16-byte aligned; at least
+    one row: empty calls launch nothing) and the launcher aligned its base to 16 bytes; the block shape (a config's
+    tiles) is checked once. The base is ``t`` itself (the descriptor takes its address and dtype; the shape and
+    strides given are the 2-D view's). A Triton whose descriptor has other fields gets ``from_tensor``."""
+    if block not in _CHECKED_BLOCKS or _DESCRIPTOR_FIELDS != ["base", "shape", "strides", "block_shape", "padding"]:
+        d = TensorDescriptor.from_tensor(t.view(-1, K), list(block))  # Triton's own checks (once per box)
+        _CHECKED_BLOCKS.add(block)
+        return d
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = t, (t.numel() // K, K), (K, 1), list(block), "zero"
+    return d
+
+
+def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=False,
+           first_gemm: _Call | None = None) -> _Call:
     """The call's arguments checked (MoEEpInputError naming the argument, its value and what is allowed) and made
-    contiguous; ``out`` allocated when None (an Fp8Tensor with ``quantize_out``)."""
-    check((counts is None) != (offsets is None), "(counts, offsets)",
-          ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
-          "exactly one of counts (masked layout) or offsets (ragged layout)")
-    if type(swiglu) is not bool:
-        fail("swiglu", swiglu, "True or False")
-    if type(quantize_out) is not bool:
-        fail("quantize_out", quantize_out, "True or False")
-    _check_m_hint(m_hint)
+    contiguous; ``out`` allocated when None (an Fp8Tensor with ``quantize_out``). ``first_gemm``: for the expert
+    MLP's GEMM2, GEMM1's checked call, whose output ``x`` is: x, the counts / offsets and ``m_hint`` were checked
+    with it (w, row_scale and out are checked here)."""
     ragged = offsets is not None
-    xd, xs, xgs, xshape, x_fmt = _operand(x, "x", 2 if ragged else 3,
-                                          "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
+    if first_gemm is None:
+        check((counts is None) != (offsets is None), "(counts, offsets)",
+              ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
+              "exactly one of counts (masked layout) or offsets (ragged layout)")
+        if type(swiglu) is not bool:
+            fail("swiglu", swiglu, "True or False")
+        if type(quantize_out) is not bool:
+            fail("quantize_out", quantize_out, "True or False")
+        _check_m_hint(m_hint)
+        xd, xs, xgs, xshape, x_fmt = _operand(x, "x", 2 if ragged else 3,
+                                              "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
+    elif first_gemm.quantize_out:  # GEMM1's FP8 output: e4m3 codes and their fp32 scales, contiguous
+        xd, xs, xgs, xshape, x_fmt = x.data.view(torch.uint8), x.scales, None, tuple(x.shape), "fp8"
+    else:
+        xd, xs, xgs, xshape, x_fmt = x, None, None, tuple(x.shape), "bf16"
     wd, ws, wgs, wshape, w_fmt = _operand(w, "w", 3, "[G, N, K]")
     x_fp4, w_fp4, fp8 = x_fmt == "nvfp4", w_fmt == "nvfp4", x_fmt == "fp8"
     if "fp8" in (x_fmt, w_fmt) and x_fmt != w_fmt:
@@ -275,13 +334,13 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
         wgs = wgs.expand(G).contiguous()
     if ragged:
         S, M_max = xshape[0], 0
-        idx = _index(offsets, "offsets", G + 1, dev)
+        idx = _index(offsets, "offsets", G + 1, dev) if first_gemm is None else first_gemm.idx
         rows_shape = (S,)
     else:
         if xshape[0] != G:
             fail("x.shape[0]", xshape[0], f"{G} (w's number of experts G)")
         S, M_max = G * xshape[1], xshape[1]
-        idx = _index(counts, "counts", G, dev)
+        idx = _index(counts, "counts", G, dev) if first_gemm is None else first_gemm.idx
         rows_shape = (G, M_max)
     N = NW // 2 if swiglu else NW
     if row_scale is not None:
