@@ -337,7 +337,7 @@ def _check_fp8(x: Fp8Tensor, w: Fp8Tensor, swiglu: bool) -> None:
 
 def _operand(t, name: str, dims: int, what: str):
     """(data, scales, global scale, logical shape, format) of a bf16 tensor, an NvFp4Tensor (scales as bytes) or an
-    Fp8Tensor (e4m3 data as bytes, fp32 scales); format "bf16", "nvfp4" or "fp8"."""
+    Fp8Tensor (e4m3 data, fp32 scales); format "bf16", "nvfp4" or "fp8"."""
     if isinstance(t, NvFp4Tensor):  # (messages are built only on failure: this runs on every call)
         t.check(name)  # the parts agree with the shape and with each other
         if t.swizzled:
@@ -354,7 +354,9 @@ def _operand(t, name: str, dims: int, what: str):
         if len(shape) != dims:
             fail(f"{name}.shape", shape, what)
         check_on_kernel_device(t.data, f"{name}.data")
-        return t.data.contiguous().view(torch.uint8), t.scales.contiguous(), None, shape, "fp8"
+        # e4m3, not bytes: a tile loaded through an e4m3 pointer feeds the MMA from shared memory as it is (a bitcast
+        # byte tile goes through registers, which the two fp32 tiles of an FP8 step need)
+        return t.data.contiguous(), t.scales.contiguous(), None, shape, "fp8"
     if not isinstance(t, torch.Tensor):
         fail(f"type({name})", type(t).__name__, "a bf16 torch.Tensor, an NvFp4Tensor or an Fp8Tensor")
     if t.dtype != torch.bfloat16:
