@@ -27,13 +27,14 @@ tensor cores) and applies the scales as DeepGEMM promotes them: each K step's pr
 and added to the accumulator times x's scale (per row) and w's (per 128 weight rows) of its 128-wide K block
 (BLOCK_K divides 128, so a step never crosses a block). ``FP8_OUT`` (GEMM1 of an FP8 expert MLP) quantizes the fp32
 SwiGLU result per row per 128 columns in the epilogue, as ``quantize_fp8`` does (BLOCK_N a multiple of 128, so a tile
-holds whole blocks), and writes e4m3 codes and fp32 scales instead of bf16 rows.
+holds whole blocks), and writes e4m3 codes and fp32 scales instead of bf16 rows. x and w come through e4m3 pointers
+(or TMA descriptors), so both tiles reach the MMA from shared memory.
 
 Decode shapes mostly swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
 BLOCK_N weight rows fill its M slot; their row tiles are up to twice the mean tokens per expert, so that an expert's
 routed rows take one pass over its weights (``config_space.prune_grouped_gemm_configs``).
 
-Prefill shapes with bf16 weights in the ragged layout also have TMA configs (``TMA: True``; Hopper and newer):
+Prefill shapes with bf16 or FP8 tiles in the ragged layout also have TMA configs (``TMA: True``; Hopper and newer):
 x and weight tiles come by tensor descriptors instead of per-thread pointer loads, gate and up tiles are two
 loads into two accumulators, and a persistent grid of as many programs as fit on the GPU walks the device-side
 tile count (:func:`_tma_tiles`), so a program's next tile starts without a new launch wave: fewer instructions
