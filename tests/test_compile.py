@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moe_ep.kernels.grouped_gemm import config_space
-from moe_ep.testing.compile_checks import TABLES
+from moe_ep.testing.compile_checks import TABLES, fp8_tma_descriptors
 
 cc, shard = int(sys.argv[1]), sys.argv[2]
 target = GPUTarget("cuda", cc, 32)
@@ -77,10 +77,11 @@ def smem_estimate():
                      **{k: kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA")})
         for name in ("x_desc", "w_desc"):
             const.pop(name, None)
-        if kw["TMA"]:
-            t = "fp8e4nv" if fp8 else "bf16"
-            sig["x_desc"] = f"tensordesc<{t}[{kw['BLOCK_M']}, {kw['BLOCK_K']}]>"
-            sig["w_desc"] = f"tensordesc<{t}[{kw['BLOCK_N']}, {kw['BLOCK_K']}]>"
+        if kw["TMA"] and fp8:
+            sig.update(fp8_tma_descriptors(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], swiglu))
+        elif kw["TMA"]:
+            sig["x_desc"] = f"tensordesc<bf16[{kw['BLOCK_M']}, {kw['BLOCK_K']}]>"
+            sig["w_desc"] = f"tensordesc<bf16[{kw['BLOCK_N']}, {kw['BLOCK_K']}]>"
         else:
             const.update(x_desc=None, w_desc=None)
         sig.update({name: "constexpr" for name in const})

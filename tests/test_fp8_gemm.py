@@ -71,13 +71,14 @@ def test_fp8_grouped_gemm_matches_reference(dev, c):
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, SWAP_AB=True),
                                  dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=32, SWAP_AB=False),
                                  dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, SWAP_AB=False),
-                                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False, TMA=True)],
-                         ids=["swapped", "k32", "two-blocks", "tma"])
+                                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False, TMA=True),
+                                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False, TMA=True)],
+                         ids=["swapped", "k32", "two-blocks", "tma", "tma-halves"])
 def test_fused_fp8_epilogue_is_quantize_fp8_of_the_fp32_swiglu(dev, monkeypatch, layout, cfg):
     """GEMM1 with the FP8 output: codes and scales are bit for bit ``swiglu_fp8_ref`` (quantize_fp8's rule) of the
     fp32 SwiGLU values the same tiles store as fp32, I past a 128-block (a short last block), rows past the counts
     (masked) or of no expert (ragged) untouched, an all-zero row (scale 1, codes 0). TMA tiles: ragged only (the
-    masked layout runs the same tiles by pointers)."""
+    masked layout runs the same tiles by pointers); 128-row ones compute their columns in two halves."""
     cfg = dict(dict(GROUP_M=1, TMA=False, num_warps=4, num_stages=1), **cfg)
     gen = torch.Generator().manual_seed(11)
     G, M, H, I = 3, 7, 160, 144
@@ -114,16 +115,18 @@ def test_fused_fp8_epilogue_is_quantize_fp8_of_the_fp32_swiglu(dev, monkeypatch,
 
 
 @pytest.mark.parametrize("layout", ["masked", "ragged", "ragged-tma"])
-@pytest.mark.parametrize("bn", [64, 256], ids=["tile-in-one-block", "tile-over-two-blocks"])
+@pytest.mark.parametrize("bm, bn", [(16, 64), (16, 256), (128, 128)],
+                         ids=["tile-in-one-block", "tile-over-two-blocks", "128-rows"])
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gemm2", "swiglu"])
-def test_fp8_gemm_takes_each_columns_weight_block_scale(dev, layout, bn, swiglu):
+def test_fp8_gemm_takes_each_columns_weight_block_scale(dev, layout, bm, bn, swiglu):
     """Every output column is scaled by its own 128-row weight blocks' scales (with SwiGLU its gate block's and its
     up block's), whether its column tile lies in one block (one scale per K step, two with SwiGLU, also for tiles
     past the first block) or spans two; N = 272 (a short last block), K = 160 (a short last K block, K steps of 64:
-    masked e4m3 loads; TMA: zeros past K), a row scale without SwiGLU; pointer loads and TMA tiles (ragged).
+    masked e4m3 loads; TMA: zeros past K), a row scale without SwiGLU; pointer loads and TMA tiles (ragged; 128-row
+    SwiGLU ones in two halves of 64 columns).
     Neighbouring blocks' magnitudes are 2^4 apart (gate's and up's too), so a scale of the wrong block is far off."""
     tma = layout == "ragged-tma"
-    cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=64, SWAP_AB=False, GROUP_M=1, TMA=tma, num_warps=4, num_stages=1)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SWAP_AB=False, GROUP_M=1, TMA=tma, num_warps=4, num_stages=1)
     gen = torch.Generator().manual_seed(5)
     G, M, K, N = 2, 5, 160, 272
     counts = torch.tensor([5, 3], device=dev)

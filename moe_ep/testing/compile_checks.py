@@ -147,7 +147,8 @@ def _fp8_gemms():
         for swiglu, fp8_out in ((True, True), (True, False), (False, False)):
             for swap, bm, bn, bk, tma in ((True, 16, 128, 128, False), (False, 64, 128, 64, False),
                                           (False, 128, 128, 32, False), (False, 16, 256, 64, False),
-                                          (False, 64, 128, 128, True), (False, 32, 256, 64, True)):
+                                          (False, 64, 128, 128, True), (False, 32, 256, 64, True),
+                                          (False, 128, 128, 64, True)):  # (SwiGLU: in two halves)
                 if tma and not ragged:
                     continue
                 sig = dict(_gemm_signature(), x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", ws_ptr="*fp32",
@@ -158,13 +159,22 @@ def _fp8_gemms():
                          "EVEN_K": ragged != swap, "PERSISTENT": not ragged and swap, "SIGNAL": False, "WAIT": False,
                          "PDL": False}
                 if tma:
-                    sig.update(x_desc=f"tensordesc<fp8e4nv[{bm}, {bk}]>", w_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>")
+                    sig.update(fp8_tma_descriptors(bm, bn, bk, swiglu))
                 else:
                     const.update(x_desc=None, w_desc=None)
                 for name in const:
                     sig[name] = "constexpr"
                 checks.append((_gg_kernels._grouped_gemm_kernel, sig, const))
     return checks
+
+
+def fp8_tma_descriptors(bm: int, bn: int, bk: int, swiglu: bool) -> dict:
+    """The signature's e4m3 TMA descriptors of an FP8 TMA tile (w's box half the tile's rows where the tile is
+    computed in two halves: ``config_space.fp8_split_halves``)."""
+    from ..kernels.grouped_gemm import config_space
+    half = config_space.fp8_split_halves({"TMA": True, "BLOCK_M": bm}, swiglu)
+    return {"x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
+            "w_desc": f"tensordesc<fp8e4nv[{bn // 2 if half else bn}, {bk}]>"}
 
 
 FP8_ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "os_ptr", "rs_ptr", "cnt_ptr", "N", "K")
@@ -192,7 +202,7 @@ def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
     const = dict(const, **{k: cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")},
                  EVEN_K=True, PERSISTENT=False)
     if tma:
-        sig = dict(sig, x_desc=f"tensordesc<fp8e4nv[{bm}, {bk}]>", w_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>")
+        sig = dict(sig, **fp8_tma_descriptors(bm, bn, bk, swiglu))
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in FP8_ALIGNED}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))

@@ -53,8 +53,9 @@ FP8_ACC_REGISTERS = 128  # most fp32 registers per thread an FP8 config's two ac
 
 def fp8_accumulator_registers(cfg: dict, swiglu: bool) -> int:
     """fp32 registers per thread of an FP8 tile's accumulators: the running sum and the K step's product it is
-    promoted from (both ``BLOCK_M x R``, R = 2 * BLOCK_N with SwiGLU's interleaved gate and up rows)."""
-    rows = (2 if swiglu else 1) * cfg["BLOCK_N"]
+    promoted from (both ``BLOCK_M x R``, R = 2 * BLOCK_N with SwiGLU's gate and up rows; half that for tiles computed
+    in two halves, :func:`fp8_split_halves`)."""
+    rows = (2 if swiglu else 1) * cfg["BLOCK_N"] // (2 if fp8_split_halves(cfg, swiglu) else 1)
     return 2 * cfg["BLOCK_M"] * rows // (32 * cfg["num_warps"])
 
 
@@ -77,11 +78,19 @@ def _gemm(bm, bn, bk, swap, stages, warps, group_m=8, tma=False):
                           "TMA": tma}, num_warps=warps, num_stages=stages, pre_hook=set_tma_blocks if tma else None)
 
 
+def fp8_split_halves(meta: dict, swiglu: bool) -> bool:
+    """Whether an FP8 config computes its tile's columns as two halves one after the other: SwiGLU TMA tiles of 128
+    rows (gate, up and one product of a half live at a time: what a 64-row tile holds; kernels.py)."""
+    return bool(meta.get("TMA")) and swiglu and meta["BLOCK_M"] == 128
+
+
 def set_tma_blocks(nargs) -> None:
     """Give the grouped GEMM's TMA descriptors the tile shapes of the config about to run (x: BLOCK_M x BLOCK_K,
-    w: BLOCK_N x BLOCK_K); a config's pre-hook."""
+    w: BLOCK_N x BLOCK_K, half that for FP8's split tiles, :func:`fp8_split_halves`); a config's pre-hook (nargs:
+    the launch's arguments, its flags among them)."""
+    half = bool(nargs.get("FP8")) and fp8_split_halves(nargs, bool(nargs.get("SWIGLU")))
     nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["BLOCK_N"] // (2 if half else 1), nargs["BLOCK_K"]]
 
 
 def config_dict(cfg: triton.Config) -> dict:
@@ -99,7 +108,9 @@ def smem_bytes(meta: dict, swiglu: bool, w_fp4: bool, fp8: bool = False) -> int:
     little over (tests/test_compile.py holds it between the two; how it did on a GPU: docs/PERF.md)."""
     bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
     rows = (2 if swiglu else 1) * meta["BLOCK_N"]
-    if fp8:  # e4m3 tiles; wide tiles' epilogue layout conversions (and sm_100's barriers) take up to two slacks more
+    if fp8:  # e4m3 tiles (a half's gate and up rows where computed in halves); wide tiles' epilogue layout
+        # conversions (and sm_100's barriers) take up to two slacks more
+        rows = meta["BLOCK_N"] if fp8_split_halves(meta, swiglu) else rows
         return meta.get("num_stages", 3) * (bm + rows) * bk + 3 * SMEM_SLACK
     total = meta.get("num_stages", 3) * (bm * bk * 2 + (rows * bk // 2 if w_fp4 else rows * bk * 2))
     if w_fp4 and not meta.get("SWAP_AB"):
@@ -164,6 +175,7 @@ def fp8_only_configs() -> list[triton.Config]:
     # 64 x (gate + up 256) over two warpgroups side by side (pointer loads, and TMA: both operands from shared
     # memory); GEMM2's 64 x 256 the same way, and its 128 x 128 over two warpgroups one above the other (64 rows
     # each: one's promotion overlaps the other's MMA, and a weight tile serves 128 rows), by pointers and by TMA
+    # (GEMM1 takes the TMA one too, in two halves of 64 columns: fp8_split_halves)
     space += [_gemm(64, 128, 128, False, stages, 8) for stages in (4, 5)] + [_gemm(64, 128, 128, False, 4, 8, tma=True)]
     space += [_gemm(64, 256, 128, False, 4, 8), _gemm(128, 128, 128, False, 4, 8),
               _gemm(128, 128, 128, False, 4, 8, tma=True)]

@@ -230,6 +230,65 @@ def _promote(acc, part, xs, ws_ptr, srow, KB, kb, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0, x_rows, srow, n_blocks, N, K, KB, SWIGLU: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The promoted fp32 sums of a TMA tile's BLOCK_N weight rows from w0 (and with SwiGLU their up rows, N further):
+    each K step's products added in times the step's scales, gate's first, then up's, so that one product is live at
+    a time; both e4m3 operands from shared memory."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([x0, k0])
+        kb = k0 // 128
+        xs = tl.load(xs_ptr + x_rows * KB + kb)[:, None]
+        acc = _promote(acc, tl.dot(a, w_desc.load([w0, k0]).T), xs, ws_ptr, srow, KB, kb, BLOCK_N)
+        if SWIGLU:
+            acc_up = _promote(acc_up, tl.dot(a, w_desc.load([w0 + N, k0]).T), xs, ws_ptr, srow + n_blocks, KB, kb,
+                              BLOCK_N)
+    return acc, acc_up
+
+
+@triton.jit
+def _tma_fp8_swiglu_halves(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, os_ptr, rs_ptr, x0, w0, x_rows, xrow, rmask,
+                           pid_n, srow, n_blocks, N, K, KB, HAS_RS: tl.constexpr, FP8_OUT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A 128-row FP8 SwiGLU TMA tile as two halves of BLOCK_N / 2 columns, one after the other (gate, up and a
+    product of one half live at a time, then its SwiGLU result: the registers of a 64-row tile; x's tiles are read
+    twice, from L2), stored as bf16 or, with FP8_OUT, quantized by :func:`_store_fp8_rows`'s rule over the tile's
+    one 128-column block (the halves' amax together). Columns past N are zeroed first (they hold other weight
+    rows' sums)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    rn0 = pid_n * BLOCK_N + tl.arange(0, HALF)
+    rn1 = rn0 + HALF
+    g0, u0 = _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0, x_rows, srow, n_blocks, N, K, KB, True, BLOCK_M,
+                           HALF, BLOCK_K)
+    g0 = tl.where((rn0 < N)[None, :], g0, 0.0)
+    h0 = g0 / (1.0 + tl.exp(-g0)) * u0
+    g1, u1 = _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0 + HALF, x_rows, srow, n_blocks, N, K, KB, True,
+                           BLOCK_M, HALF, BLOCK_K)
+    g1 = tl.where((rn1 < N)[None, :], g1, 0.0)
+    h1 = g1 / (1.0 + tl.exp(-g1)) * u1
+    if HAS_RS:
+        rs = tl.load(rs_ptr + x_rows)[:, None]
+        h0 = h0 * rs
+        h1 = h1 * rs
+    m0 = rmask[:, None] & (rn0 < N)[None, :]
+    m1 = rmask[:, None] & (rn1 < N)[None, :]
+    if FP8_OUT:
+        amax = tl.maximum(tl.max(tl.abs(h0), axis=1), tl.max(tl.abs(h1), axis=1))
+        s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        s = tl.where(s > 0, s, 1.0)
+        q0 = tl.math.div_rn(h0, tl.broadcast_to(s[:, None], h0.shape))
+        q1 = tl.math.div_rn(h1, tl.broadcast_to(s[:, None], h1.shape))
+        tl.store(out_ptr + xrow[:, None] * N + rn0[None, :], q0.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m0)
+        tl.store(out_ptr + xrow[:, None] * N + rn1[None, :], q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m1)
+        tl.store(os_ptr + xrow * tl.cdiv(N, 128) + pid_n, s, mask=rmask)  # BLOCK_N 128: block column pid_n
+    else:
+        tl.store(out_ptr + xrow[:, None] * N + rn0[None, :], h0.to(out_ptr.dtype.element_ty), mask=m0)
+        tl.store(out_ptr + xrow[:, None] * N + rn1[None, :], h1.to(out_ptr.dtype.element_ty), mask=m1)
+
+
+@triton.jit
 def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, xs_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G,
                M_MAX, N, K, S, RAGGED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr,
                X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, FP8: tl.constexpr, FP8_OUT: tl.constexpr,
@@ -254,32 +313,33 @@ def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, xs_ptr, ws_ptr, wgs_ptr, out
         rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x_rows = row0 + tl.minimum(rm, count - 1)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if FP8:
+        if FP8 and SWIGLU and BLOCK_M == 128:  # (config_space.fp8_split_halves)
+            tl.static_assert(BLOCK_N == 128, "FP8 SwiGLU TMA halves: one 128-column block a tile")
             srow, n_blocks = _fp8_scale_rows(g, rn, pid_n, N, SWIGLU, BLOCK_N)
-            for k0 in range(0, K, BLOCK_K):
-                a = x_desc.load([x0, k0])
-                kb = k0 // 128
-                xs = tl.load(xs_ptr + x_rows * KB + kb)[:, None]
-                acc = _promote(acc, tl.dot(a, w_desc.load([w0, k0]).T), xs, ws_ptr, srow, KB, kb, BLOCK_N)
-                if SWIGLU:
-                    acc_up = _promote(acc_up, tl.dot(a, w_desc.load([w0 + N, k0]).T), xs, ws_ptr, srow + n_blocks,
-                                      KB, kb, BLOCK_N)
+            _tma_fp8_swiglu_halves(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, os_ptr, rs_ptr, x0, w0, x_rows, row0 + rm,
+                                   rm < count, pid_n, srow, n_blocks, N, K, KB, HAS_RS, FP8_OUT, BLOCK_M, BLOCK_N,
+                                   BLOCK_K)
         else:
-            for k0 in range(0, K, BLOCK_K):
-                a = x_desc.load([x0, k0])
-                acc = tl.dot(a, w_desc.load([w0, k0]).T, acc)
-                if SWIGLU:
-                    acc_up = tl.dot(a, w_desc.load([w0 + N, k0]).T, acc_up)
-        if FP8_OUT:  # columns past N hold other weight rows' sums, not copies of column N - 1: out of the amax
-            acc = tl.where((rn < N)[None, :], acc, 0.0)
-        if W_DECODED:
-            acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
-        if X_DECODED:
-            acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, False)
-        _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU,
-                     HAS_RS, False, FP8_OUT, BLOCK_M, BLOCK_N)
+            if FP8:
+                srow, n_blocks = _fp8_scale_rows(g, rn, pid_n, N, SWIGLU, BLOCK_N)
+                acc, acc_up = _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0, x_rows, srow, n_blocks, N, K, KB,
+                                            SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    a = x_desc.load([x0, k0])
+                    acc = tl.dot(a, w_desc.load([w0, k0]).T, acc)
+                    if SWIGLU:
+                        acc_up = tl.dot(a, w_desc.load([w0 + N, k0]).T, acc_up)
+            if FP8_OUT:  # columns past N hold other weight rows' sums, not copies of column N - 1: out of the amax
+                acc = tl.where((rn < N)[None, :], acc, 0.0)
+            if W_DECODED:
+                acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
+            if X_DECODED:
+                acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, False)
+            _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU,
+                         HAS_RS, False, FP8_OUT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

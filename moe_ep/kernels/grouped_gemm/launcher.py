@@ -222,7 +222,7 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
         descs = (None, None)
         if p.config["TMA"]:
             descs = descriptors()
-            config_space.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **p.config))
+            config_space.set_tma_blocks(dict(x_desc=descs[0], w_desc=descs[1], **p.config, **flags))
         pdl = dict(launch_pdl=True) if p.pdl and p.chain == "waits" else {}  # GEMM2 as GEMM1's dependent
         launch_cache.launch(kernels.launch_kernel, programs, *args, *descs, *tail, **flags, **p.config, **pdl)
         return p
