@@ -1,9 +1,9 @@
 """Registers and spills of the FP8 grouped GEMM's prefill configs, from ptxas (no GPU needed).
 
-Builds each unswapped FP8 config of the GPU search space for sm_90a as a launch builds it, as GEMM1 (SwiGLU, FP8
-output) and GEMM2 (row scale), and prints ptxas's registers per thread and spill bytes next to the accumulator
-registers ``config_space.fp8_registers_ok`` prunes by (a config that spills its accumulators runs far below the
-tensor cores' rate).
+Builds each unswapped FP8 config of the GPU search space (pointer loads and TMA) for sm_90a as a launch builds it,
+as GEMM1 (SwiGLU, FP8 output) and GEMM2 (row scale), and prints ptxas's registers per thread and spill bytes next
+to the accumulator registers ``config_space.fp8_registers_ok`` prunes by (a config that spills its accumulators
+runs far below the tensor cores' rate).
 
     PYTHONPATH=$PWD python benchmarks/fp8_registers.py [--all]   # --all: also the configs the rule prunes
 """
@@ -32,7 +32,7 @@ def main() -> None:
             if not (ok or args.all):
                 continue
             regs, st, ld = fp8_gemm_registers(c, swiglu)
-            tile = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}"
+            tile = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}{' tma' if kw['TMA'] else ''}"
             print(f"{'GEMM1' if swiglu else 'GEMM2':6} {tile:12} {c.num_warps:>5} {c.num_stages:>6} "
                   f"{config_space.fp8_accumulator_registers(d, swiglu):>8} {'ok' if ok else 'prune':>5} {regs:>5} "
                   f"{st:>8} {ld:>8}", flush=True)

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from moe_ep.kernels.grouped_gemm import config_space
-from moe_ep.testing.compile_checks import SM90_ONLY, TABLES
+from moe_ep.testing.compile_checks import SM90_ONLY, TABLES, fp8_tma_descriptors
 
 cc, shard = int(sys.argv[1]), sys.argv[2]
 target = GPUTarget("cuda", cc, 32)
@@ -76,15 +76,17 @@ def smem_estimate():
         fp8 = config_space._config_key(c) in fp8_only
         w_fp4, swiglu = (False, i % 2 == 0) if kw["TMA"] or fp8 else (i % 4 >= 2, i % 2 == 0)
         sig, const = dict(base_sig), dict(base_const)
-        sig["w_ptr"] = "*u8" if w_fp4 or fp8 else "*bf16"
-        if fp8:
-            sig.update(x_ptr="*u8", ws_ptr="*fp32")
+        sig["w_ptr"] = "*u8" if w_fp4 else "*bf16"
+        if fp8:  # e4m3 tensors, as the launcher passes them
+            sig.update(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", ws_ptr="*fp32")
         const.update(RAGGED=True, W_FP4=w_fp4, SWIGLU=swiglu, HAS_RS=not swiglu, X_DECODED=False, W_DECODED=False,
                      FP8=fp8, FP8_OUT=False, EVEN_K=True, PERSISTENT=False, SIGNAL=False, WAIT=False, PDL=False,
                      **{k: kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "TMA")})
         for name in ("x_desc", "w_desc"):
             const.pop(name, None)
-        if kw["TMA"]:
+        if kw["TMA"] and fp8:
+            sig.update(fp8_tma_descriptors(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], swiglu))
+        elif kw["TMA"]:
             sig["x_desc"] = f"tensordesc<bf16[{kw['BLOCK_M']}, {kw['BLOCK_K']}]>"
             sig["w_desc"] = f"tensordesc<bf16[{kw['BLOCK_N']}, {kw['BLOCK_K']}]>"
         else:
@@ -175,7 +177,7 @@ for swiglu in (True, False):
         ok = config_space.fp8_registers_ok(config_space.config_dict(c), swiglu)
         regs, stores, loads = fp8_gemm_registers(c, swiglu)
         # kept: no more than a few spilled registers (outside the K loop); pruned: the accumulators spill
-        assert (stores <= 64) if ok else (stores >= 256), (c.kwargs, c.num_warps, c.num_stages, swiglu, regs, stores)
+        assert (stores <= 64) if ok else (stores >= 128), (c.kwargs, c.num_warps, c.num_stages, swiglu, regs, stores)
         kept, pruned = kept + ok, pruned + (not ok)
 assert kept and pruned
 print(f"fp8 registers: {kept} configs kept within them, {pruned} pruned configs spill")
@@ -184,6 +186,6 @@ print(f"fp8 registers: {kept} configs kept within them, {pruned} pruned configs 
 
 def test_fp8_register_rule_matches_ptxas_spills():
     """config_space.fp8_registers_ok, the FP8 prune's register budget, agrees with ptxas on sm_90a: the unswapped FP8
-    configs it keeps (GEMM1 and GEMM2 builds) spill at most a few registers, those it prunes spill their
-    accumulators (benchmarks/fp8_registers.py prints the table)."""
+    configs it keeps (GEMM1 and GEMM2 builds, pointer loads and TMA) spill at most a few registers, those it prunes
+    spill their accumulators (benchmarks/fp8_registers.py prints the table)."""
     assert "within them" in _run(SPILL_SCRIPT)

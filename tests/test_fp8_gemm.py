@@ -70,13 +70,16 @@ def test_fp8_grouped_gemm_matches_reference(dev, c):
 @pytest.mark.parametrize("layout", ["masked", "ragged"])
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, SWAP_AB=True),
                                  dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=32, SWAP_AB=False),
-                                 dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, SWAP_AB=False)],
-                         ids=["swapped", "k32", "two-blocks"])
+                                 dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, SWAP_AB=False),
+                                 dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False, TMA=True),
+                                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False, TMA=True)],
+                         ids=["swapped", "k32", "two-blocks", "tma", "tma-halves"])
 def test_fused_fp8_epilogue_is_quantize_fp8_of_the_fp32_swiglu(dev, monkeypatch, layout, cfg):
     """GEMM1 with the FP8 output: codes and scales are bit for bit ``swiglu_fp8_ref`` (quantize_fp8's rule) of the
     fp32 SwiGLU values the same tiles store as fp32, I past a 128-block (a short last block), rows past the counts
-    (masked) or of no expert (ragged) untouched, an all-zero row (scale 1, codes 0)."""
-    cfg = dict(cfg, GROUP_M=1, TMA=False, num_warps=4, num_stages=1)
+    (masked) or of no expert (ragged) untouched, an all-zero row (scale 1, codes 0). TMA tiles: ragged only (the
+    masked layout runs the same tiles by pointers); 128-row ones compute their columns in two halves."""
+    cfg = dict(dict(GROUP_M=1, TMA=False, num_warps=4, num_stages=1), **cfg)
     gen = torch.Generator().manual_seed(11)
     G, M, H, I = 3, 7, 160, 144
     counts = torch.tensor([5, 0, 7], device=dev)
@@ -90,12 +93,14 @@ def test_fused_fp8_epilogue_is_quantize_fp8_of_the_fp32_swiglu(dev, monkeypatch,
     else:
         idx, rows = dict(offsets=torch.tensor([0, 5, 5, 12], device=dev)), (14,)
         valid = torch.arange(14, device=dev) < 12  # rows 12, 13: no expert's
+    idx["m_hint"] = 64 if cfg["TMA"] else None  # TMA tiles at prefill buckets only
     h32 = torch.full((*rows, I), float("nan"), device=dev)
     grouped_gemm(xq, wq, **idx, swiglu=True, out=h32, config=cfg)
     empty = _poison_fp8(monkeypatch)
     q, plan = grouped_gemm(xq, wq, **idx, swiglu=True, quantize_out=True, config=cfg, return_plan=True)
     monkeypatch.setattr(torch, "empty", empty)
     assert isinstance(q, Fp8Tensor) and q.block_rows == 1 and plan.out_format == "fp8"
+    assert plan.tma is (cfg["TMA"] and layout == "ragged")
     assert q.shape == (*rows, I) and q.scales.shape == (*rows, 2)
     rq, rs = swiglu_fp8_ref(h32[valid])
     assert_bits_equal(q.scales[valid], rs, "FP8 epilogue scales")
@@ -103,9 +108,48 @@ def test_fused_fp8_epilogue_is_quantize_fp8_of_the_fp32_swiglu(dev, monkeypatch,
     assert bool((q.data[~valid].view(torch.uint8) == 0x7F).all()) and bool(q.scales[~valid].isnan().all())
     zero = (0, 2) if layout == "masked" else (2,)
     assert bool((q.scales[zero] == 1).all()) and not bool(q.data[zero].float().any())
+    del idx["m_hint"]
     ref = grouped_gemm_ref(dequantize_fp8_ref(xq.data, xq.scales, 1), dequantize_fp8(wq, torch.float32), **idx,
                            swiglu=True)
     assert_rel_close(dequantize_fp8(q, torch.float32), ref, valid, 0.06, "FP8 epilogue values")  # e4m3 rounding
+
+
+@pytest.mark.parametrize("layout", ["masked", "ragged", "ragged-tma"])
+@pytest.mark.parametrize("bm, bn", [(16, 64), (16, 256), (128, 128)],
+                         ids=["tile-in-one-block", "tile-over-two-blocks", "128-rows"])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gemm2", "swiglu"])
+def test_fp8_gemm_takes_each_columns_weight_block_scale(dev, layout, bm, bn, swiglu):
+    """Every output column is scaled by its own 128-row weight blocks' scales (with SwiGLU its gate block's and its
+    up block's), whether its column tile lies in one block (one scale per K step, two with SwiGLU, also for tiles
+    past the first block) or spans two; N = 272 (a short last block), K = 160 (a short last K block, K steps of 64:
+    masked e4m3 loads; TMA: zeros past K), a row scale without SwiGLU; pointer loads and TMA tiles (ragged; 128-row
+    SwiGLU ones in two halves of 64 columns).
+    Neighbouring blocks' magnitudes are 2^4 apart (gate's and up's too), so a scale of the wrong block is far off."""
+    tma = layout == "ragged-tma"
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SWAP_AB=False, GROUP_M=1, TMA=tma, num_warps=4, num_stages=1)
+    gen = torch.Generator().manual_seed(5)
+    G, M, K, N = 2, 5, 160, 272
+    counts = torch.tensor([5, 3], device=dev)
+    x3 = _values((G, M, K), 1.0, gen, dev)
+    mag = torch.tensor([1.0, 16.0, 1 / 16])[torch.arange(N) // 128]  # per weight row block
+    if swiglu:
+        mag = torch.cat([mag, mag.roll(128)])  # up's blocks: gate's magnitudes shifted by one block
+    w = _values((G, mag.numel(), K), 0.05, gen, dev).float() * mag[None, :, None].to(dev)  # SiLU's exp stays finite
+    wq, wr = fp8_operand(w.bfloat16(), 128, gate_up=swiglu)
+    if layout == "masked":
+        xq, xr = fp8_operand(x3, 1)
+        idx, valid = dict(counts=counts), torch.arange(M, device=dev)[None, :] < counts[:, None]
+    else:
+        xq, xr = fp8_operand(x3.reshape(-1, K)[:8], 1)
+        idx, valid = dict(offsets=torch.tensor([0, 5, 8], device=dev)), torch.ones(8, dtype=torch.bool, device=dev)
+    rs = None if swiglu else torch.rand(valid.shape, generator=gen).to(dev)
+    out, plan = grouped_gemm(xq, wq, **idx, swiglu=swiglu, row_scale=rs, config=cfg, m_hint=64 if tma else None,
+                             return_plan=True)  # (TMA tiles at prefill buckets only)
+    assert plan.tma is tma
+    ref = grouped_gemm_ref(xr, wr, **idx, swiglu=swiglu, row_scale=rs)
+    for b in range(3):  # each block on its own: the small one would hide in the large one's norm
+        cols = slice(128 * b, min(128 * (b + 1), N))
+        assert_rel_close(out[..., cols], ref[..., cols], valid, P.GEMM_TOL, f"FP8 GEMM, weight block {b}")
 
 
 @_ok

@@ -520,8 +520,9 @@ def test_compile_checks_cover_every_variant():
     want = {(r, xd, wf, s, not s, sw, 0, 0, 0)
             for r in (0, 1) for xd in (0, 1) for wf in (0, 1) for s in (0, 1) for sw in (0, 1)}
     want |= {(1, xd, 0, s, not s, 0, 1, 0, 0) for xd in (0, 1) for s in (0, 1)}  # TMA: ragged, bf16 w, not swapped
-    # FP8: both layouts, GEMM1 with FP8 or bf16 output, GEMM2; swapped and not
+    # FP8: both layouts, GEMM1 with FP8 or bf16 output, GEMM2; swapped and not; TMA (ragged, not swapped)
     want |= {(r, 0, 0, s, not s, sw, 0, 1, o) for r in (0, 1) for s, o in ((1, 1), (1, 0), (0, 0)) for sw in (0, 1)}
+    want |= {(1, 0, 0, s, not s, 0, 1, 1, o) for s, o in ((1, 1), (1, 0), (0, 0))}
     assert {tuple(bool(v) for v in t) for t in seen} == {tuple(bool(v) for v in t) for t in want}
 
 

@@ -103,7 +103,7 @@ def tune_shape(s: dict, budget_s: float, rep_ms: float, dev, counts: str = "rout
     cands = config_space.prune_grouped_gemm_configs(
         config_space.grouped_gemm_configs(), {"M_BUCKET": config_space.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
                                               "G": s["G"], "SWIGLU": s["swiglu"],
-                                              "TMA_OK": not s["w_fp4"] and not fp8 and device_facts.tma_supported()},
+                                              "TMA_OK": not s["w_fp4"] and device_facts.tma_supported()},
         SWIGLU=s["swiglu"], W_FP4=s["w_fp4"], FP8=fp8, FP8_OUT=fp8 and s["swiglu"])
     x, w, offsets = _operands(s, dev, counts)
     gemm = dict(offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"], quantize_out=fp8 and s["swiglu"])

@@ -140,23 +140,42 @@ def _gemm_signature() -> dict:
 
 
 def _fp8_gemms():
-    """FP8 x FP8 variants (e4m3 bytes, fp32 scales): both layouts; GEMM1 (SwiGLU, FP8 output or bf16) and GEMM2 (row
-    scale); swapped decode tiles and unswapped ones, K steps of 128, 64 and 32; both K load paths and grids."""
+    """FP8 x FP8 variants (e4m3 operands, fp32 scales): both layouts; GEMM1 (SwiGLU, FP8 output or bf16) and GEMM2
+    (row scale); swapped decode tiles and unswapped ones, K steps of 128, 64 and 32, tiles of one weight scale block
+    and of two; both K load paths and grids; ragged TMA tiles."""
     checks = []
     for ragged in (False, True):
         for swiglu, fp8_out in ((True, True), (True, False), (False, False)):
-            for swap, bm, bk in ((True, 16, 128), (False, 64, 64), (False, 128, 32)):
-                sig = dict(_gemm_signature(), x_ptr="*u8", w_ptr="*u8", ws_ptr="*fp32",
+            for swap, bm, bn, bk, tma in ((True, 16, 128, 128, False), (False, 64, 128, 64, False),
+                                          (False, 128, 128, 32, False), (False, 16, 256, 64, False),
+                                          (False, 64, 128, 128, True), (False, 32, 256, 64, True),
+                                          (False, 128, 128, 64, True)):  # (SwiGLU: in two halves)
+                if tma and not ragged:
+                    continue
+                sig = dict(_gemm_signature(), x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", ws_ptr="*fp32",
                            out_ptr="*u8" if fp8_out else "*bf16")
                 const = {"RAGGED": ragged, "W_FP4": False, "SWIGLU": swiglu, "HAS_RS": not swiglu, "BLOCK_G": 32,
                          "FP8": True, "FP8_OUT": fp8_out, "X_DECODED": False, "W_DECODED": False, "BLOCK_M": bm,
-                         "BLOCK_N": 128, "BLOCK_K": bk, "SWAP_AB": swap, "GROUP_M": 8, "TMA": False,
+                         "BLOCK_N": bn, "BLOCK_K": bk, "SWAP_AB": swap, "GROUP_M": 8, "TMA": tma,
                          "EVEN_K": ragged != swap, "PERSISTENT": not ragged and swap, "SIGNAL": False, "WAIT": False,
-                         "PDL": False, "x_desc": None, "w_desc": None}
+                         "PDL": False}
+                if tma:
+                    sig.update(fp8_tma_descriptors(bm, bn, bk, swiglu))
+                else:
+                    const.update(x_desc=None, w_desc=None)
                 for name in const:
                     sig[name] = "constexpr"
                 checks.append((_gg_kernels._grouped_gemm_kernel, sig, const))
     return checks
+
+
+def fp8_tma_descriptors(bm: int, bn: int, bk: int, swiglu: bool) -> dict:
+    """The signature's e4m3 TMA descriptors of an FP8 TMA tile (w's box half the tile's rows where the tile is
+    computed in two halves: ``config_space.fp8_split_halves``)."""
+    from ..kernels.grouped_gemm import config_space
+    half = config_space.fp8_split_halves({"TMA": True, "BLOCK_M": bm}, swiglu)
+    return {"x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
+            "w_desc": f"tensordesc<fp8e4nv[{bn // 2 if half else bn}, {bk}]>"}
 
 
 FP8_ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "os_ptr", "rs_ptr", "cnt_ptr", "N", "K")
@@ -164,8 +183,9 @@ FP8_ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "os_ptr", "rs_pt
 
 def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
     """(registers per thread, spill store bytes, spill load bytes) ptxas reports for an unswapped FP8 grouped-GEMM
-    config (a ``triton.Config``) built for sm_90a as a launch builds it (aligned pointers, the config's warps and
-    stages), as GEMM1 (swiglu: SwiGLU with an FP8 output) or GEMM2 (row scale). Needs the interpreter off."""
+    config (a ``triton.Config``, pointer loads or TMA) built for sm_90a as a launch builds it (aligned pointers, the
+    config's warps and stages), as GEMM1 (swiglu: SwiGLU with an FP8 output) or GEMM2 (row scale). Needs the
+    interpreter off."""
     import os
     import re
     import subprocess
@@ -176,10 +196,14 @@ def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel, sig, const = next((k, s, c) for k, s, c in _fp8_gemms()
-                              if c["RAGGED"] and c["SWIGLU"] == swiglu and c["FP8_OUT"] == swiglu and not c["SWAP_AB"])
+    tma = bool(cfg.kwargs["TMA"])
+    kernel, sig, const = next((k, s, c) for k, s, c in _fp8_gemms() if c["RAGGED"] and c["SWIGLU"] == swiglu
+                              and c["FP8_OUT"] == swiglu and not c["SWAP_AB"] and c["TMA"] == tma)
+    bm, bn, bk = (cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     const = dict(const, **{k: cfg.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")},
                  EVEN_K=True, PERSISTENT=False)
+    if tma:
+        sig = dict(sig, **fp8_tma_descriptors(bm, bn, bk, swiglu))
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in FP8_ALIGNED}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
@@ -196,11 +220,11 @@ def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
 
 
 def fp8_prefill_configs(swiglu: bool) -> list:
-    """The GPU space's unswapped pointer-load configs an FP8 GEMM1 (swiglu, FP8 output) or GEMM2 may take by the FP8
-    rules and the SwiGLU tile bound, before the register rule (``config_space.fp8_registers_ok``)."""
+    """The GPU space's unswapped configs (pointer loads and TMA) an FP8 GEMM1 (swiglu, FP8 output) or GEMM2 may take
+    by the FP8 rules and the SwiGLU tile bound, before the register rule (``config_space.fp8_registers_ok``)."""
     from ..kernels.grouped_gemm import config_space
     return [c for c in config_space.grouped_gemm_configs()
-            if not (c.kwargs["SWAP_AB"] or c.kwargs["TMA"] or config_space.fp8_rule_broken(c.kwargs, swiglu))
+            if not (c.kwargs["SWAP_AB"] or config_space.fp8_rule_broken(c.kwargs, swiglu))
             and not (swiglu and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 128)]
 
 

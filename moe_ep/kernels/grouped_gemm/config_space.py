@@ -53,8 +53,9 @@ FP8_ACC_REGISTERS = 128  # most fp32 registers per thread an FP8 config's two ac
 
 def fp8_accumulator_registers(cfg: dict, swiglu: bool) -> int:
     """fp32 registers per thread of an FP8 tile's accumulators: the running sum and the K step's product it is
-    promoted from (both ``BLOCK_M x R``, R = 2 * BLOCK_N with SwiGLU's interleaved gate and up rows)."""
-    rows = (2 if swiglu else 1) * cfg["BLOCK_N"]
+    promoted from (both ``BLOCK_M x R``, R = 2 * BLOCK_N with SwiGLU's gate and up rows; half that for tiles computed
+    in two halves, :func:`fp8_split_halves`)."""
+    rows = (2 if swiglu else 1) * cfg["BLOCK_N"] // (2 if fp8_split_halves(cfg, swiglu) else 1)
     return 2 * cfg["BLOCK_M"] * rows // (32 * cfg["num_warps"])
 
 
@@ -77,11 +78,24 @@ def _gemm(bm, bn, bk, swap, stages, warps, group_m=8, tma=False):
                           "TMA": tma}, num_warps=warps, num_stages=stages, pre_hook=set_tma_blocks if tma else None)
 
 
+def fp8_split_halves(meta: dict, swiglu: bool) -> bool:
+    """Whether an FP8 config computes its tile's columns as two halves one after the other: SwiGLU TMA tiles of 128
+    rows (gate, up and one product of a half live at a time: what a 64-row tile holds; kernels.py)."""
+    return bool(meta.get("TMA")) and swiglu and meta["BLOCK_M"] == 128
+
+
+def tma_blocks(cfg: dict, fp8: bool, swiglu: bool) -> tuple:
+    """The TMA boxes of a config's tiles: x ``(BLOCK_M, BLOCK_K)``, w ``(BLOCK_N, BLOCK_K)``, w's half that for
+    FP8's split tiles (:func:`fp8_split_halves`)."""
+    half = fp8 and fp8_split_halves(cfg, swiglu)
+    return (cfg["BLOCK_M"], cfg["BLOCK_K"]), (cfg["BLOCK_N"] // (2 if half else 1), cfg["BLOCK_K"])
+
+
 def set_tma_blocks(nargs) -> None:
-    """Give the grouped GEMM's TMA descriptors the tile shapes of the config about to run (x: BLOCK_M x BLOCK_K,
-    w: BLOCK_N x BLOCK_K); a config's pre-hook."""
-    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    """Give the grouped GEMM's TMA descriptors the boxes of the config about to run (:func:`tma_blocks`); a config's
+    pre-hook (nargs: the launch's arguments, its flags among them)."""
+    x_box, w_box = tma_blocks(nargs, bool(nargs.get("FP8")), bool(nargs.get("SWIGLU")))
+    nargs["x_desc"].block_shape, nargs["w_desc"].block_shape = list(x_box), list(w_box)
 
 
 def config_dict(cfg: triton.Config) -> dict:
@@ -99,8 +113,10 @@ def smem_bytes(meta: dict, swiglu: bool, w_fp4: bool, fp8: bool = False) -> int:
     little over (tests/test_compile.py holds it between the two; how it did on a GPU: docs/PERF.md)."""
     bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
     rows = (2 if swiglu else 1) * meta["BLOCK_N"]
-    if fp8:
-        return meta.get("num_stages", 3) * (bm + rows) * bk + SMEM_SLACK
+    if fp8:  # e4m3 tiles (a half's gate and up rows where computed in halves); wide tiles' epilogue layout
+        # conversions (and sm_100's barriers) take up to two slacks more
+        rows = meta["BLOCK_N"] if fp8_split_halves(meta, swiglu) else rows
+        return meta.get("num_stages", 3) * (bm + rows) * bk + 3 * SMEM_SLACK
     total = meta.get("num_stages", 3) * (bm * bk * 2 + (rows * bk // 2 if w_fp4 else rows * bk * 2))
     if w_fp4 and not meta.get("SWAP_AB"):
         total += rows * bk * 2
@@ -108,9 +124,10 @@ def smem_bytes(meta: dict, swiglu: bool, w_fp4: bool, fp8: bool = False) -> int:
 
 
 def resident_programs(meta: dict, swiglu: bool) -> int:
-    """How many programs of a config run at once on this GPU, estimated by shared memory (the pipeline's bf16 x
-    and weight tiles per stage): the grid of a persistent TMA launch."""
-    return device_facts.sm_count() * max(1, device_facts.smem_per_sm() // smem_bytes(meta, swiglu, False))
+    """How many programs of a config run at once on this GPU, estimated by shared memory (the pipeline's x and
+    weight tiles per stage: bf16, or e4m3 where ``meta["FP8"]``): the grid of a persistent TMA launch."""
+    return device_facts.sm_count() * max(1, device_facts.smem_per_sm() // smem_bytes(meta, swiglu, False,
+                                                                                    bool(meta.get("FP8"))))
 
 
 def persistent_programs(meta: dict, swiglu: bool) -> int:
@@ -156,11 +173,17 @@ def fp8_only_configs() -> list[triton.Config]:
         return [_gemm(16, 128, 64, True, 1, 4), _gemm(32, 128, 32, False, 1, 4)]
     space = [_gemm(bm, 128, 128, True, stages, 4) for bm in (16, 32) for stages in (5, 6)]  # decode, swap AB
     space += [_gemm(64, 128, 128, True, 4, 4)]  # 33-128 tokens, FP8 out
-    for bm, bn, stages, warps in ((64, 128, 4, 4), (128, 128, 4, 8), (128, 128, 5, 8), (128, 256, 3, 8)):  # prefill
+    for bm, bn, stages, warps in ((64, 128, 4, 4), (128, 128, 5, 8), (128, 128, 6, 8), (128, 256, 3, 8)):  # prefill
         space.append(_gemm(bm, bn, 128, False, stages, warps))
-    # prefill within fp8_registers_ok: GEMM1's 64 x (gate + up 256) over two warpgroups; GEMM2's 64 x 256 last, so
-    # that the bounded search (--quick: the first two and the last) times it
-    space += [_gemm(64, 128, 128, False, stages, 8) for stages in (4, 5)] + [_gemm(64, 256, 128, False, 4, 8)]
+    space.append(_gemm(128, 128, 128, False, 5, 8, tma=True))
+    # prefill within fp8_registers_ok, last (the bounded search times an FP8 prefill class's last three): GEMM1's
+    # 64 x (gate + up 256) over two warpgroups side by side (pointer loads, and TMA: both operands from shared
+    # memory); GEMM2's 64 x 256 the same way, and its 128 x 128 over two warpgroups one above the other (64 rows
+    # each: one's promotion overlaps the other's MMA, and a weight tile serves 128 rows), by pointers and by TMA
+    # (GEMM1 takes the TMA one too, in two halves of 64 columns: fp8_split_halves)
+    space += [_gemm(64, 128, 128, False, stages, 8) for stages in (4, 5)] + [_gemm(64, 128, 128, False, 4, 8, tma=True)]
+    space += [_gemm(64, 256, 128, False, 4, 8), _gemm(128, 128, 128, False, 4, 8),
+              _gemm(128, 128, 128, False, 4, 8, tma=True)]
     return space
 
 
@@ -197,7 +220,7 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         kw = c.kwargs
         if kw.get("TMA") and not tma_ok:
             continue
-        if fp8 and (kw.get("TMA") or fp8_rule_broken(kw, fp8_out)) or not fp8 and _config_key(c) in fp8_only:
+        if fp8 and fp8_rule_broken(kw, fp8_out) or not fp8 and _config_key(c) in fp8_only:
             continue
         if limit is not None and smem_bytes(config_dict(c), swiglu, w_fp4, fp8) > limit:
             continue  # would not build here: the first-config fallback (MOE_EP_AUTOTUNE=off) must always run
@@ -220,8 +243,8 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
         keep.append(c)
     if not keep:  # every tile too wide for a tiny shape: the smallest one of the right operand order
         keep = sorted(right_kind, key=lambda c: (c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"], c.kwargs["BLOCK_M"]))[:1]
-    if options.current().autotune_quick and len(keep) > 3:  # bounded search (benchmarks' --quick)
-        keep = keep[:2] + keep[-1:]
+    if options.current().autotune_quick and len(keep) > 3:  # bounded search (benchmarks' --quick); FP8 prefill:
+        keep = keep[-3:] if fp8 and not decode else keep[:2] + keep[-1:]  # its own configs, the space's last
     if not INTERPRETER and len(keep) > 1:
         full = [c for c in keep if groups * host_math.cdiv(m, c.kwargs["BLOCK_M"]) * host_math.cdiv(n, c.kwargs["BLOCK_N"])
                 >= device_facts.sm_count()]

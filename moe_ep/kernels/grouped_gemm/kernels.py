@@ -27,13 +27,14 @@ tensor cores) and applies the scales as DeepGEMM promotes them: each K step's pr
 and added to the accumulator times x's scale (per row) and w's (per 128 weight rows) of its 128-wide K block
 (BLOCK_K divides 128, so a step never crosses a block). ``FP8_OUT`` (GEMM1 of an FP8 expert MLP) quantizes the fp32
 SwiGLU result per row per 128 columns in the epilogue, as ``quantize_fp8`` does (BLOCK_N a multiple of 128, so a tile
-holds whole blocks), and writes e4m3 codes and fp32 scales instead of bf16 rows.
+holds whole blocks), and writes e4m3 codes and fp32 scales instead of bf16 rows. x and w come through e4m3 pointers
+(or TMA descriptors), so both tiles reach the MMA from shared memory.
 
 Decode shapes mostly swap the operands (``acc^T = W x^T``) so the handful of tokens sits in the MMA's N slot and
 BLOCK_N weight rows fill its M slot; their row tiles are up to twice the mean tokens per expert, so that an expert's
 routed rows take one pass over its weights (``config_space.prune_grouped_gemm_configs``).
 
-Prefill shapes with bf16 weights in the ragged layout also have TMA configs (``TMA: True``; Hopper and newer):
+Prefill shapes with bf16 or FP8 tiles in the ragged layout also have TMA configs (``TMA: True``; Hopper and newer):
 x and weight tiles come by tensor descriptors instead of per-thread pointer loads, gate and up tiles are two
 loads into two accumulators, and a persistent grid of as many programs as fit on the GPU walks the device-side
 tile count (:func:`_tma_tiles`), so a program's next tile starts without a new launch wave: fewer instructions
@@ -90,6 +91,8 @@ def _load_k(ptrs, k, K, EVEN_K: tl.constexpr):
     """Load a K-step tile; k (broadcast against ptrs) past K reads 0. EVEN_K (K % BLOCK_K == 0): no mask."""
     if EVEN_K:
         v = tl.load(ptrs)
+    elif ptrs.dtype.element_ty == tl.float8e4nv:  # e4m3 filled with zero bytes (e4m3 0): no int-to-e4m3 cast
+        v = tl.load(ptrs.to(tl.pointer_type(tl.uint8)), mask=k < K, other=0).to(tl.float8e4nv, bitcast=True)
     else:
         v = tl.load(ptrs, mask=k < K, other=0)
     return v
@@ -121,18 +124,29 @@ def _accumulate(acc, xt, w_ptr, ws_ptr, wrow, k0, K, KQ, K16, W_FP4: tl.constexp
 
 
 @triton.jit
-def _accumulate_fp8(acc, xt, w_ptr, ws_ptr, xs_ptr, wrow, srow, x_rows, k0, K, KB, SWAP_AB: tl.constexpr,
-                    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _accumulate_fp8(acc, xt, w_ptr, ws_ptr, xs_ptr, wrow, srow, n_blocks, x_rows, k0, K, KB, SWIGLU: tl.constexpr,
+                    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += (x[rows, k0:k0+BLOCK_K] @ w[wrow, k0:k0+BLOCK_K]^T) * xs[rows, kb] * ws[srow, kb], kb = k0 // 128: the
-    step's e4m3 product summed in fp32 on its own, then scaled into the accumulator (x and w are e4m3 bytes; the
-    scales fp32 ``[rows, KB]`` and ``[G * weight row blocks, KB]``)."""
+    step's e4m3 product summed in fp32 on its own, then scaled into the accumulator (x and w are e4m3; the scales
+    fp32 ``[rows, KB]`` and ``[G * weight row blocks, KB]``). Up to BLOCK_N 128 a tile's weight rows lie in one scale
+    block (gate's and up's one each): srow is its scale row (gate's), a scalar, so a step loads one scale (two with
+    SwiGLU) instead of one per accumulator column; wider tiles give srow per weight row."""
     kk = k0 + tl.arange(0, BLOCK_K)
     w = _load_k(w_ptr + wrow[:, None] * K + kk[None, :], kk[None, :], K, EVEN_K).to(tl.float8e4nv, bitcast=True)
     part = _mma(tl.zeros_like(acc), xt.to(tl.float8e4nv, bitcast=True), w, SWAP_AB)
     kb = k0 // 128
-    xs = tl.load(xs_ptr + x_rows * KB + kb)
+    xs = _as_rows(tl.load(xs_ptr + x_rows * KB + kb), SWAP_AB)
     ws = tl.load(ws_ptr + srow * KB + kb)
-    return acc + part * (_as_rows(xs, SWAP_AB) * _as_cols(ws, SWAP_AB))
+    if BLOCK_N <= 128:
+        if SWIGLU:  # interleaved weight rows: gate's scale on even ones, up's on odd ones
+            ws_up = tl.load(ws_ptr + (srow + n_blocks) * KB + kb)
+            odd = _as_cols(tl.arange(0, 2 * BLOCK_N) % 2, SWAP_AB) == 1
+            out = acc + part * (xs * tl.where(odd, ws_up, ws))
+        else:
+            out = acc + part * (xs * ws)
+    else:
+        out = acc + part * (xs * _as_cols(ws, SWAP_AB))
+    return out
 
 
 @triton.jit
@@ -142,7 +156,7 @@ def _store_fp8_rows(acc, out_ptr, os_ptr, xrow, rn, rmask, nmask, N, SWAP_AB: tl
     an all-zero block, codes e4m3_rne(v / s) saturating, both divisions IEEE): codes ``[rows, N]`` as bytes, scales
     fp32 ``[rows, ceil(N / 128)]``. The tile's columns past N hold copies of column N - 1 (its weight rows are
     clamped), which lies in the same 128-block: they leave its amax as it is, and blocks wholly past N are not
-    stored."""
+    stored (TMA tiles load other weight rows there and zero those columns first)."""
     if SWAP_AB:
         acc = tl.trans(acc)
     NB: tl.constexpr = BLOCK_N // 128
@@ -191,39 +205,141 @@ def _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, xrow, rn, rmask, 
 
 
 @triton.jit
-def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S,
-               RAGGED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr, X_DECODED: tl.constexpr,
-               W_DECODED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Ragged bf16 x and weights, tiles loaded by TMA (tensor descriptors over x [S, K] and w [G * NW, K]): program
-    p walks tiles p, p + P, ... of the device-side tile count (persistent, P = the grid). A tile's rows past its
-    expert's count and columns past N load the next expert's rows (or TMA's zeros past the tensor) and are not
-    stored; gate and up tiles are two loads and two dots into two accumulators."""
+def _fp8_scale_rows(g, rn, pid_n, N, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight scale rows of column tile pid_n of expert g (``Fp8Tensor.gate_up``: gate's row blocks, then up's):
+    up to BLOCK_N 128 the tile lies in one block (it starts below N, and its columns clamped to N - 1 stay in that
+    block), a scalar (gate's; up's is n_blocks further); wider tiles, one per column. And n_blocks."""
+    n_blocks = tl.cdiv(N, 128)
+    srow0 = g.to(tl.int64) * (2 * n_blocks if SWIGLU else n_blocks)
+    if BLOCK_N <= 128:
+        srow = srow0 + (pid_n * BLOCK_N) // 128
+    else:
+        srow = srow0 + tl.minimum(rn, N - 1) // 128
+    return srow, n_blocks
+
+
+@triton.jit
+def _promote(acc, part, xs, ws_ptr, srow, KB, kb, BLOCK_N: tl.constexpr):
+    """acc + part * xs * ws of one K block (unswapped tiles; xs per row [BM, 1], ws by :func:`_fp8_scale_rows`)."""
+    ws = tl.load(ws_ptr + srow * KB + kb)
+    if BLOCK_N <= 128:
+        out = acc + part * (xs * ws)
+    else:
+        out = acc + part * (xs * ws[None, :])
+    return out
+
+
+@triton.jit
+def _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0, x_rows, srow, n_blocks, N, K, KB, SWIGLU: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The promoted fp32 sums of a TMA tile's BLOCK_N weight rows from w0 (and with SwiGLU their up rows, N further):
+    each K step's products added in times the step's scales, gate's first, then up's, so that one product is live at
+    a time; both e4m3 operands from shared memory."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([x0, k0])
+        kb = k0 // 128
+        xs = tl.load(xs_ptr + x_rows * KB + kb)[:, None]
+        acc = _promote(acc, tl.dot(a, w_desc.load([w0, k0]).T), xs, ws_ptr, srow, KB, kb, BLOCK_N)
+        if SWIGLU:
+            acc_up = _promote(acc_up, tl.dot(a, w_desc.load([w0 + N, k0]).T), xs, ws_ptr, srow + n_blocks, KB, kb,
+                              BLOCK_N)
+    return acc, acc_up
+
+
+@triton.jit
+def _tma_fp8_swiglu_halves(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, os_ptr, rs_ptr, x0, w0, x_rows, xrow, rmask,
+                           pid_n, srow, n_blocks, N, K, KB, HAS_RS: tl.constexpr, FP8_OUT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A 128-row FP8 SwiGLU TMA tile as two halves of BLOCK_N / 2 columns, one after the other (gate, up and a
+    product of one half live at a time, then its SwiGLU result: the registers of a 64-row tile; x's tiles are read
+    twice, from L2), stored as bf16 or, with FP8_OUT, quantized by :func:`_store_fp8_rows`'s rule over the tile's
+    one 128-column block (the halves' amax together). Columns past N are zeroed first (they hold other weight
+    rows' sums)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    rn0 = pid_n * BLOCK_N + tl.arange(0, HALF)
+    rn1 = rn0 + HALF
+    g0, u0 = _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0, x_rows, srow, n_blocks, N, K, KB, True, BLOCK_M,
+                           HALF, BLOCK_K)
+    g0 = tl.where((rn0 < N)[None, :], g0, 0.0)
+    h0 = g0 / (1.0 + tl.exp(-g0)) * u0
+    g1, u1 = _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0 + HALF, x_rows, srow, n_blocks, N, K, KB, True,
+                           BLOCK_M, HALF, BLOCK_K)
+    g1 = tl.where((rn1 < N)[None, :], g1, 0.0)
+    h1 = g1 / (1.0 + tl.exp(-g1)) * u1
+    if HAS_RS:
+        rs = tl.load(rs_ptr + x_rows)[:, None]
+        h0 = h0 * rs
+        h1 = h1 * rs
+    m0 = rmask[:, None] & (rn0 < N)[None, :]
+    m1 = rmask[:, None] & (rn1 < N)[None, :]
+    if FP8_OUT:
+        amax = tl.maximum(tl.max(tl.abs(h0), axis=1), tl.max(tl.abs(h1), axis=1))
+        s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        s = tl.where(s > 0, s, 1.0)
+        q0 = tl.math.div_rn(h0, tl.broadcast_to(s[:, None], h0.shape))
+        q1 = tl.math.div_rn(h1, tl.broadcast_to(s[:, None], h1.shape))
+        tl.store(out_ptr + xrow[:, None] * N + rn0[None, :], q0.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m0)
+        tl.store(out_ptr + xrow[:, None] * N + rn1[None, :], q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m1)
+        tl.store(os_ptr + xrow * tl.cdiv(N, 128) + pid_n, s, mask=rmask)  # BLOCK_N 128: block column pid_n
+    else:
+        tl.store(out_ptr + xrow[:, None] * N + rn0[None, :], h0.to(out_ptr.dtype.element_ty), mask=m0)
+        tl.store(out_ptr + xrow[:, None] * N + rn1[None, :], h1.to(out_ptr.dtype.element_ty), mask=m1)
+
+
+@triton.jit
+def _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, xs_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G,
+               M_MAX, N, K, S, RAGGED: tl.constexpr, SWIGLU: tl.constexpr, HAS_RS: tl.constexpr,
+               X_DECODED: tl.constexpr, W_DECODED: tl.constexpr, FP8: tl.constexpr, FP8_OUT: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """Ragged bf16 or FP8 x and weights, tiles loaded by TMA (tensor descriptors over x [S, K] and w [G * NW, K]):
+    program p walks tiles p, p + P, ... of the device-side tile count (persistent, P = the grid). A tile's rows past
+    its expert's count and columns past N load the next expert's rows (or TMA's zeros past the tensor) and are not
+    stored; gate and up tiles are two loads and two dots into two accumulators. FP8: each K step's products are
+    promoted into the accumulators by the step's scales (gate's first, then up's, so that one product is live at a
+    time), both e4m3 operands straight from shared memory."""
     tiles, ends, cnt, lo = expert_row_tiles(cnt_ptr, G, M_MAX, S, RAGGED, BLOCK_G, BLOCK_M)
     tiles_m = tl.sum(tiles)
     n_tiles = tl.cdiv(N, BLOCK_N)
     NW = 2 * N if SWIGLU else N
+    KB = tl.cdiv(K, 128)
     for t in tl.range(tl.program_id(0), tiles_m * n_tiles, tl.num_programs(0)):
         tm, pid_n = group_order(t, tiles_m, n_tiles, GROUP_M)
         g, tile, count, row0 = tile_expert(tm, tiles, ends, cnt, lo, BLOCK_G)
         x0 = (row0 + tile * BLOCK_M).to(tl.int32)
         w0 = g * NW + pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = x_desc.load([x0, k0])
-            acc = tl.dot(a, w_desc.load([w0, k0]).T, acc)
-            if SWIGLU:
-                acc_up = tl.dot(a, w_desc.load([w0 + N, k0]).T, acc_up)
         rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x_rows = row0 + tl.minimum(rm, count - 1)
-        if W_DECODED:
-            acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
-        if X_DECODED:
-            acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, False)
-        _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU,
-                     HAS_RS, False, False, BLOCK_M, BLOCK_N)
+        if FP8 and SWIGLU and BLOCK_M == 128:  # (config_space.fp8_split_halves)
+            tl.static_assert(BLOCK_N == 128, "FP8 SwiGLU TMA halves: one 128-column block a tile")
+            srow, n_blocks = _fp8_scale_rows(g, rn, pid_n, N, SWIGLU, BLOCK_N)
+            _tma_fp8_swiglu_halves(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, os_ptr, rs_ptr, x0, w0, x_rows, row0 + rm,
+                                   rm < count, pid_n, srow, n_blocks, N, K, KB, HAS_RS, FP8_OUT, BLOCK_M, BLOCK_N,
+                                   BLOCK_K)
+        else:
+            if FP8:
+                srow, n_blocks = _fp8_scale_rows(g, rn, pid_n, N, SWIGLU, BLOCK_N)
+                acc, acc_up = _tma_fp8_sums(x_desc, w_desc, xs_ptr, ws_ptr, x0, w0, x_rows, srow, n_blocks, N, K, KB,
+                                            SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    a = x_desc.load([x0, k0])
+                    acc = tl.dot(a, w_desc.load([w0, k0]).T, acc)
+                    if SWIGLU:
+                        acc_up = tl.dot(a, w_desc.load([w0 + N, k0]).T, acc_up)
+            if FP8_OUT:  # columns past N hold other weight rows' sums, not copies of column N - 1: out of the amax
+                acc = tl.where((rn < N)[None, :], acc, 0.0)
+            if W_DECODED:
+                acc, acc_up = _global_scale(acc, acc_up, wgs_ptr, g)
+            if X_DECODED:
+                acc, acc_up = _x_global_scale(acc, acc_up, xgs_ptr, x_rows, XGS_STRIDE, False)
+            _finish_tile(acc, acc_up, out_ptr, os_ptr, rs_ptr, x_rows, row0 + rm, rn, rm < count, rn < N, N, SWIGLU,
+                         HAS_RS, False, FP8_OUT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -283,10 +399,9 @@ def _pointer_tile(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, ou
     R: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     if SWIGLU:  # gate row i and its up row (N further down) interleaved: one dot per K step, and the [*, 2I]
         wrow = tl.reshape(tl.join(wrow, wrow + N), [R])  # intermediate is never written
-    if FP8:  # each weight row's scale row: gate's row blocks, then up's (Fp8Tensor.gate_up)
-        n_blocks = tl.cdiv(N, 128)
-        srow = g.to(tl.int64) * (2 * n_blocks if SWIGLU else n_blocks) + tl.minimum(rn, N - 1) // 128
-        if SWIGLU:
+    if FP8:
+        srow, n_blocks = _fp8_scale_rows(g, rn, pid_n, N, SWIGLU, BLOCK_N)
+        if SWIGLU and BLOCK_N > 128:  # per weight row, as interleaved
             srow = tl.reshape(tl.join(srow, srow + n_blocks), [R])
         KB = tl.cdiv(K, 128)
 
@@ -297,8 +412,8 @@ def _pointer_tile(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, ou
     for k0 in range(0, K, BLOCK_K):
         xt = _load_x_cols(x_ptr, x_rows, k0 + tl.arange(0, BLOCK_K), K, SWAP_AB, EVEN_K)
         if FP8:
-            acc = _accumulate_fp8(acc, xt, w_ptr, ws_ptr, xs_ptr, wrow, srow, x_rows, k0, K, KB, SWAP_AB, EVEN_K,
-                                  BLOCK_K)
+            acc = _accumulate_fp8(acc, xt, w_ptr, ws_ptr, xs_ptr, wrow, srow, n_blocks, x_rows, k0, K, KB, SWIGLU,
+                                  SWAP_AB, EVEN_K, BLOCK_N, BLOCK_K)
         else:
             if W_FP4 and SWAP_AB:
                 xt = dot_k_order(xt, BLOCK_K, True)
@@ -335,7 +450,7 @@ def _grouped_gemm_kernel(
         out_ptr, os_ptr, rs_ptr,  # out [rows, N] (bf16, fp32; FP8_OUT: e4m3 bytes + fp32 scales [rows, N / 128
         # blocks]); row scale fp32 [rows]
         cnt_ptr,  # masked: counts [G]; ragged: offsets [G+1]
-        x_desc, w_desc,  # TMA descriptors of bf16 x [rows, K] and w [G * NW, K] (None where TMA is not possible)
+        x_desc, w_desc,  # TMA descriptors of x [rows, K] and w [G * NW, K], bf16 or e4m3 (None: no TMA possible)
         ready_ptr, WAIT_BM, WAIT_NT,  # GEMM1 -> GEMM2 chain (chain.py): tiles done per expert; GEMM1's tiling
         G, M_MAX, N, K, S,
         KQ, K16,  # K // 4, K // 16: own arguments so Triton specializes them as multiples of 16 (aligned NVFP4 rows)
@@ -352,9 +467,9 @@ def _grouped_gemm_kernel(
     tl.static_assert(not FP8_OUT or (FP8 and SWIGLU and BLOCK_N % 128 == 0), "FP8 out: FP8 GEMM1, whole blocks")
     if TMA:
         tl.static_assert(not (SIGNAL or WAIT), "the GEMM chain is for decode shapes, which have no TMA tiles")
-        tl.static_assert(not FP8, "FP8 tiles come by pointer loads")
-        _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G, M_MAX, N, K, S,
-                   RAGGED, SWIGLU, HAS_RS, X_DECODED, W_DECODED, BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _tma_tiles(x_desc, w_desc, xgs_ptr, XGS_STRIDE, xs_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr, G,
+                   M_MAX, N, K, S, RAGGED, SWIGLU, HAS_RS, X_DECODED, W_DECODED, FP8, FP8_OUT, BLOCK_G, BLOCK_M,
+                   BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _pointer_tiles(x_ptr, xgs_ptr, xs_ptr, XGS_STRIDE, w_ptr, ws_ptr, wgs_ptr, out_ptr, os_ptr, rs_ptr, cnt_ptr,
                        ready_ptr, WAIT_BM, WAIT_NT, G, M_MAX, N, K, S, KQ, K16, RAGGED, W_FP4, X_DECODED, W_DECODED,

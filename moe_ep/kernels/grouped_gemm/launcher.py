@@ -209,7 +209,8 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     cfg = p.config
     if cfg is not None:  # the plan has the grid and the constexprs launch_kernel's heuristics would derive: the bare
         # kernel, with a tuple grid and the keyword arguments kept per plan (no heuristics, no grid function)
-        descs = _descriptors(xd, wd, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg["TMA"] else (None, None)
+        descs = (_descriptors(xd, wd, K, config_space.tma_blocks(cfg, c.fp8, c.swiglu)) if cfg["TMA"]
+                 else (None, None))
         kw, items = _launch_kwargs(p)
         launch_cache.launch_kept(kernels.grouped_gemm_kernel, (p.grid,), (*args, *descs, *tail), kw, items)
         return p
@@ -257,10 +258,10 @@ def _launch_kwargs(p: GemmPlan) -> tuple[dict, tuple]:
     return kw, _KEPT_KWARGS[id(p)][2]
 
 
-def _descriptors(xd: torch.Tensor, wd: torch.Tensor, K: int, block_m: int, block_n: int, block_k: int) -> tuple:
-    """TMA descriptors of x as ``[rows, K]`` (BLOCK_M x BLOCK_K boxes) and w as ``[G * NW, K]`` (BLOCK_N x BLOCK_K),
-    as ``config_space.set_tma_blocks`` shapes them."""
-    return _descriptor(xd, K, (block_m, block_k)), _descriptor(wd, K, (block_n, block_k))
+def _descriptors(xd: torch.Tensor, wd: torch.Tensor, K: int, blocks: tuple) -> tuple:
+    """TMA descriptors of x as ``[rows, K]`` and w as ``[G * NW, K]``, with the boxes ``config_space.tma_blocks``
+    gives a config (the ones ``config_space.set_tma_blocks`` sets on an autotuned launch)."""
+    return _descriptor(xd, K, blocks[0]), _descriptor(wd, K, blocks[1])
 
 
 _DESCRIPTOR_FIELDS = [f.name for f in dataclasses.fields(TensorDescriptor)]
@@ -269,13 +270,14 @@ _CHECKED_BLOCKS: set = set()
 
 def _descriptor(t: torch.Tensor, K: int, block: tuple) -> TensorDescriptor:
     """``TensorDescriptor.from_tensor(t.view(-1, K), block)`` without its per-call checks, which hold here by
-    construction: ``t`` is contiguous bf16 (rows of K, K % 16 == 0: every row stride is 16-byte aligned; at least
-    one row: empty calls launch nothing) and the launcher aligned its base to 16 bytes; the block shape (a config's
-    tiles) is checked once. The base is ``t`` itself (the descriptor takes its address and dtype; the shape and
+    construction: ``t`` is contiguous bf16 or e4m3 (rows of K, K % 16 == 0: every row stride is 16-byte aligned; at
+    least one row: empty calls launch nothing) and the launcher aligned its base to 16 bytes; the block shape (a
+    config's tiles) is checked once per element type. The base is ``t`` itself (the descriptor takes its address and dtype; the shape and
     strides given are the 2-D view's). A Triton whose descriptor has other fields gets ``from_tensor``."""
-    if block not in _CHECKED_BLOCKS or _DESCRIPTOR_FIELDS != ["base", "shape", "strides", "block_shape", "padding"]:
-        d = TensorDescriptor.from_tensor(t.view(-1, K), list(block))  # Triton's own checks (once per box)
-        _CHECKED_BLOCKS.add(block)
+    if (block, t.dtype) not in _CHECKED_BLOCKS or \
+            _DESCRIPTOR_FIELDS != ["base", "shape", "strides", "block_shape", "padding"]:
+        d = TensorDescriptor.from_tensor(t.view(-1, K), list(block))  # Triton's own checks (once per box and dtype)
+        _CHECKED_BLOCKS.add((block, t.dtype))
         return d
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape, d.padding = t, (t.numel() // K, K), (K, 1), list(block), "zero"
@@ -396,7 +398,7 @@ def _check_fp8(x: Fp8Tensor, w: Fp8Tensor, swiglu: bool) -> None:
 
 def _operand(t, name: str, dims: int, what: str):
     """(data, scales, global scale, logical shape, format) of a bf16 tensor, an NvFp4Tensor (scales as bytes) or an
-    Fp8Tensor (e4m3 data as bytes, fp32 scales); format "bf16", "nvfp4" or "fp8"."""
+    Fp8Tensor (e4m3 data, fp32 scales); format "bf16", "nvfp4" or "fp8"."""
     if isinstance(t, NvFp4Tensor):  # (messages are built only on failure: this runs on every call)
         t.check(name)  # the parts agree with the shape and with each other
         if t.swizzled:
@@ -413,7 +415,9 @@ def _operand(t, name: str, dims: int, what: str):
         if len(shape) != dims:
             fail(f"{name}.shape", shape, what)
         check_on_kernel_device(t.data, f"{name}.data")
-        return t.data.contiguous().view(torch.uint8), t.scales.contiguous(), None, shape, "fp8"
+        # e4m3, not bytes: a tile loaded through an e4m3 pointer feeds the MMA from shared memory as it is (a bitcast
+        # byte tile goes through registers, which the two fp32 tiles of an FP8 step need)
+        return t.data.contiguous(), t.scales.contiguous(), None, shape, "fp8"
     if not isinstance(t, torch.Tensor):
         fail(f"type({name})", type(t).__name__, "a bf16 torch.Tensor, an NvFp4Tensor or an Fp8Tensor")
     if t.dtype != torch.bfloat16:

@@ -113,10 +113,9 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
     x_dec = x_fp4  # NVFP4 x: always decoded once (it is small, and every column tile reads it)
     w_dec = w_fp4 and bucket >= (opts.decoded_min_m or float("inf"))
     w_tiles_fp4 = w_fp4 and not w_dec
-    # TMA: ragged prefill shapes with bf16 tiles, on a GPU with the tensor memory accelerator (the masked layout's
-    # boxes would read an expert's padding rows, which that layout never touches)
-    # (FP8 tiles come by pointer loads)
-    tma_possible = ragged and not w_tiles_fp4 and not fp8 and bucket > DECODE_MAX_M and device_facts.tma_supported()
+    # TMA: ragged prefill shapes with bf16 or FP8 tiles, on a GPU with the tensor memory accelerator (the masked
+    # layout's boxes would read an expert's padding rows, which that layout never touches)
+    tma_possible = ragged and not w_tiles_fp4 and bucket > DECODE_MAX_M and device_facts.tma_supported()
     base = dict(layout="ragged" if ragged else "masked", sizes=(G, N, K, M_max, S), m_bucket=bucket,
                 x_format=x_format, w_format=w_format, x_decoded=x_dec, w_decoded=w_dec, swiglu=swiglu,
                 row_scale=row_scale, tma_possible=tma_possible, chain=chain, pdl=pdl, out_format=out_format)
@@ -147,9 +146,10 @@ def autotuned(plan: GemmPlan, best: dict | None) -> GemmPlan:
 
 def _with_config(plan: GemmPlan, cfg: dict) -> GemmPlan:
     G, N, K, M_max, S = plan.sizes
-    args = dict(cfg, RAGGED=plan.ragged, G=G, M_MAX=M_max, S=S, N=N, SWIGLU=plan.swiglu)
+    fp8 = plan.w_format == "fp8"  # (the grids' shared-memory estimate: e4m3 tiles, as the launch's flags say)
+    args = dict(cfg, RAGGED=plan.ragged, G=G, M_MAX=M_max, S=S, N=N, SWIGLU=plan.swiglu, FP8=fp8)
     persistent = bool(cfg["TMA"]) or schedule.persistent_grid(args)
-    grid = schedule.grid_size(dict(cfg, PERSISTENT=persistent), plan.ragged, G, M_max, S, N, plan.swiglu)
+    grid = schedule.grid_size(dict(cfg, PERSISTENT=persistent, FP8=fp8), plan.ragged, G, M_max, S, N, plan.swiglu)
     return dataclasses.replace(plan, config=cfg, tma=bool(cfg["TMA"]), persistent=persistent, grid=grid)
 
 

@@ -4,7 +4,7 @@ a shape's config.
 File format (vLLM style): ``{shape_class: {"<tokens-per-expert bucket>": config}}``, a config being
 ``{BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, num_warps, num_stages[, TMA]}`` (:data:`SCHEMA`). A lookup uses the
 nearest bucket present, nearest by ratio (with buckets 16 and 1024, 256 tokens per expert take the 1024 config, not
-the 16-token decode one). TMA (optional, default false): bf16 tiles loaded by tensor descriptors on a persistent
+the 16-token decode one). TMA (optional, default false): bf16 or FP8 tiles loaded by tensor descriptors on a persistent
 grid; where TMA cannot run (NVFP4 weights, the masked layout, decode buckets, a GPU older than Hopper) the same tiles
 go through pointer loads.
 
