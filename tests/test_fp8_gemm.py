@@ -21,7 +21,8 @@ from moe_ep.kernels.bridge import permute_rows, route_experts
 from moe_ep.kernels.fp8 import Fp8Tensor, dequantize_fp8, quantize_fp8
 from moe_ep.kernels.grouped_gemm import config_space
 from moe_ep.kernels.grouped_gemm import plan as gemm_plan
-from moe_ep.reference import dequantize_fp8_ref, grouped_gemm_ref, moe_reference, quantize_fp8_ref, swiglu_fp8_ref
+from moe_ep.reference import (dequantize_fp8_ref, expert_mlp_fp8_ref, grouped_gemm_ref, moe_reference, quantize_fp8_ref,
+                              swiglu_fp8_ref)
 from moe_ep.testing import properties as P
 from moe_ep.testing.properties import FP8_DENSE_TOL, assert_bits_equal, assert_rel_close
 from moe_ep.testing.strategies import Bounds, fp8_gemm_cases, fp8_operand
@@ -180,6 +181,49 @@ def test_fp8_x_given_or_quantized_inside_is_the_same(dev, layout):
     assert torch.equal(a[valid], b[valid])
     assert (p1.x_format, p1.out_format, p2.x_format, p1.chain, p2.chain) == ("fp8", "fp8", "fp8", "none", "none")
     assert p1.config["BLOCK_N"] % 128 == 0
+
+
+_PREFILL_TILES = {  # (GEMM1, GEMM2) configs of the FP8 prefill tiles: TMA halves / TMA / 128-row pointer loads
+    "tma-halves": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, TMA=True, num_warps=8),
+                   dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, TMA=True, num_warps=8)),
+    "tma-64": (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, TMA=True, num_warps=8),
+               dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, TMA=True, num_warps=4)),
+    "pointer-128": (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, TMA=False, num_warps=8),
+                    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, TMA=False, num_warps=8)),
+}
+
+
+@pytest.mark.parametrize("tiles", list(_PREFILL_TILES))
+def test_fp8_expert_mlp_prefill_tiles_match_reference(dev, tmp_path, monkeypatch, tiles):
+    """The FP8 expert MLP at a prefill bucket with each kind of prefill tile taken from a tuned file (ragged, the
+    layout TMA runs in): GEMM1's FP8 output goes into GEMM2 as it is (e4m3 codes + scales, by TMA where the config
+    says so) and the result is the FP8 reference's; the plans say the tiles ran."""
+    import json
+
+    from moe_ep import device_facts
+    monkeypatch.setattr(device_facts, "tma_supported", lambda: True)  # (on the CPU: the interpreter runs TMA too)
+    gen = torch.Generator().manual_seed(11)
+    G, H, I = 2, 256, 128
+    offsets = torch.tensor([0, 130, 200], dtype=torch.int32, device=dev)
+    x = _values((200, H), 1.0, gen, dev)
+    w13, w2 = _values((G, 2 * I, H), 0.3, gen, dev), _values((G, H, I), 0.3, gen, dev)
+    (q13, r13), (q2, r2) = fp8_operand(w13, 128, gate_up=True), fp8_operand(w2, 128)
+    m = 512
+    bucket = str(config_space.m_bucket(m))
+    rest = dict(SWAP_AB=False, GROUP_M=8, num_stages=2)
+    c1, c2 = ({**rest, **c} for c in _PREFILL_TILES[tiles])
+    table = {config_space.shape_class(I, H, False, True, True, True): {bucket: c1},
+             config_space.shape_class(H, I, False, False, True): {bucket: c2}}
+    (tmp_path / f"{device_facts.device_name()}.json").write_text(json.dumps(table))
+    gemm_plan.clear_cache()
+    with options.override(config_dir=str(tmp_path)):
+        out, (p1, p2) = expert_mlp(x, q13, q2, offsets=offsets, m_hint=m, return_plan=True)
+    gemm_plan.clear_cache()
+    assert (p1.config_source, p2.config_source) == ("tuned-file", "tuned-file")
+    assert (p1.config["TMA"], p2.config["TMA"]) == (c1["TMA"], c2["TMA"]) and (p1.tma, p2.tma) == (c1["TMA"], c2["TMA"])
+    xr = dequantize_fp8_ref(*quantize_fp8_ref(x, 1), 1)
+    ref = expert_mlp_fp8_ref(xr, r13, r2, offsets=offsets)
+    assert_rel_close(out, ref, slice(None), P.MLP_TOL, f"FP8 expert_mlp, {tiles} tiles")
 
 
 def test_fp8_takes_its_own_configs_and_keys():

@@ -9,6 +9,7 @@ from triton.backends.compiler import BaseBackend
 from triton._C.libtriton import native_specialize_impl
 
 from moe_ep.kernels import launch_cache
+from moe_ep.triton_runtime import device as kernel_device
 
 INTS = [0, 1, 2, 15, 16, 17, 32, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 32, 2 ** 32 + 16, 2 ** 63 - 1, 2 ** 63, -1,
         -16, -2 ** 31, -2 ** 31 - 1, -2 ** 31 - 16]
@@ -212,12 +213,13 @@ def test_grouped_gemm_launches_with_their_own_keyword_arguments(monkeypatch):
 
     monkeypatch.setattr(launch_cache, "launch_kept", checked)
     G, M, K, N = 3, 8, 32, 32
-    x3, x2 = torch.zeros(G, M, K, dtype=torch.bfloat16), torch.zeros(G * M, K, dtype=torch.bfloat16)
-    w, w13, w2 = (torch.zeros(G, n, k, dtype=torch.bfloat16) for n, k in ((N, K), (2 * N, K), (K, N)))
-    cnt, off = torch.tensor([1, 0, 8], dtype=torch.int32), torch.tensor([0, 5, 5, 24], dtype=torch.int32)
+    bf16 = dict(dtype=torch.bfloat16, device=kernel_device())  # where the launcher wants them (no kernel runs)
+    x3, x2 = torch.zeros(G, M, K, **bf16), torch.zeros(G * M, K, **bf16)
+    w, w13, w2 = (torch.zeros(G, n, k, **bf16) for n, k in ((N, K), (2 * N, K), (K, N)))
+    cnt, off = (torch.tensor(v, dtype=torch.int32, device=kernel_device()) for v in ([1, 0, 8], [0, 5, 5, 24]))
     calls = [lambda: grouped_gemm(x3, w, counts=cnt), lambda: grouped_gemm(x2, w, offsets=off),
              lambda: grouped_gemm(x3, w13, counts=cnt, swiglu=True),
-             lambda: grouped_gemm(x2, w, offsets=off, row_scale=torch.ones(G * M)),
+             lambda: grouped_gemm(x2, w, offsets=off, row_scale=torch.ones(G * M, device=kernel_device())),
              lambda: expert_mlp(x3, w13, w2, counts=cnt), lambda: expert_mlp(x2, w13, w2, offsets=off, m_hint=300)]
     with options.override(autotune="off"):
         for _ in range(3):

@@ -303,7 +303,7 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
         xd, xs, xgs, xshape, x_fmt = _operand(x, "x", 2 if ragged else 3,
                                               "[S, K] (ragged)" if ragged else "[G, M_max, K] (masked)")
     elif first_gemm.quantize_out:  # GEMM1's FP8 output: e4m3 codes and their fp32 scales, contiguous
-        xd, xs, xgs, xshape, x_fmt = x.data.view(torch.uint8), x.scales, None, tuple(x.shape), "fp8"
+        xd, xs, xgs, xshape, x_fmt = x.data, x.scales, None, tuple(x.shape), "fp8"
     else:
         xd, xs, xgs, xshape, x_fmt = x, None, None, tuple(x.shape), "bf16"
     wd, ws, wgs, wshape, w_fmt = _operand(w, "w", 3, "[G, N, K]")
