@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import device_facts
 from ...errors import MoEEpConfigError, check, fail
 from ...triton_runtime import INTERPRETER, check_on_kernel_device
 from .. import host_math
@@ -42,6 +43,17 @@ from .schedule import expert_row_tiles, group_order, row_tile_slots, tile_expert
 
 E2M1 = tl.constexpr("e2m1")  # a constexpr, not a str literal: Triton 3.6's interpreter reads the format's .value
 MMA_M = 128  # tcgen05's M for one CTA: the lhs rows of every tile (see the module docstring)
+CHECKED_TRITONS = ("3.6", "3.9")
+"""Triton minor versions whose sm_100 build of this kernel was read (tests/test_sm100_fp4.py: the NVFP4 MMA in every
+config's PTX): the dispatcher takes this path only under one of them."""
+
+
+def available() -> bool:
+    """Whether the grouped GEMM dispatcher takes this path for W4A4 calls here: a compiled (not interpreted) kernel on
+    a GPU of compute capability 10.x (B200 / GB200) under one of :data:`CHECKED_TRITONS`."""
+    props = device_facts.properties()
+    return (not INTERPRETER and props is not None and props.major == 10
+            and ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITONS)
 
 
 def _config(block_m: int, block_n: int, block_k: int, swap: bool, warps: int, stages: int) -> triton.Config:
