@@ -274,3 +274,66 @@ def test_x_and_w_of_other_k_are_refused():
     x = quantize_nvfp4(torch.randn(8, 48).bfloat16())
     with pytest.raises(MoEEpInputError, match="x.shape"):
         sm100_fp4.sm100_fp4_grouped_gemm(x, w, offsets=offs)
+
+
+# --- the dispatcher --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("major, interpreted, version, taken", [
+    (10, False, "3.6.0", True), (10, False, "3.9.0", True), (10, False, "3.10.0", False), (9, False, "3.6.0", False),
+    (12, False, "3.6.0", False), (10, True, "3.6.0", False), (None, False, "3.6.0", False)])
+def test_available_only_on_capability_10_under_a_checked_triton(monkeypatch, major, interpreted, version, taken):
+    """The path is taken on compute capability 10.x alone (not Hopper, not sm_120 cards), compiled, under a Triton
+    whose sm_100 build this file read."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(sm100_fp4.device_facts, "properties",
+                        lambda: None if major is None else SimpleNamespace(major=major, minor=0))
+    monkeypatch.setattr(sm100_fp4, "INTERPRETER", interpreted)
+    monkeypatch.setattr(sm100_fp4.triton, "__version__", version)
+    assert sm100_fp4.available() is taken
+
+
+def _w4a4_call(swiglu=True):
+    g = torch.Generator().manual_seed(11)
+    G, K, N = 3, 64, 24
+    offs = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    x = torch.randn(10, K, generator=g).bfloat16()
+    w = torch.randn(G, 2 * N if swiglu else N, K, generator=g).bfloat16()
+    xq, xr = gemm_operand(x, "nvfp4_rows")
+    wq, wr = gemm_operand(w, "nvfp4", per_slice=True)
+    return xq, xr, wq, wr, offs
+
+
+def test_plan_reports_the_tl_path_here():
+    """Without a capability 10.x GPU (this CPU) W4A4 calls plan and run the tl kernel, as before."""
+    from moe_ep.kernels import grouped_gemm, plan_grouped_gemm
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    gemm_plan.clear_cache()
+    xq, xr, wq, wr, offs = _w4a4_call()
+    plan = plan_grouped_gemm(xq, wq, offsets=offs, swiglu=True)
+    assert plan.path == "tl" and plan.x_decoded
+    _, plan = grouped_gemm(xq, wq, offsets=offs, swiglu=True, return_plan=True)
+    assert plan.path == "tl"
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_dispatcher_runs_the_sm100_path_where_available(monkeypatch, swiglu):
+    """Where ``available`` says so (mocked here), a W4A4 ``grouped_gemm`` plans and launches this kernel (its
+    interpreter stand-in on the CPU), no decoded copies, and the result is the reference's; bf16 x (W4A16) and bf16
+    weights keep the tl path."""
+    from moe_ep.kernels import grouped_gemm, plan_grouped_gemm
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    monkeypatch.setattr(sm100_fp4, "available", lambda: True)
+    gemm_plan.clear_cache()
+    try:
+        xq, xr, wq, wr, offs = _w4a4_call(swiglu)
+        out = torch.full((10, 24), float("nan"), dtype=torch.bfloat16)
+        got, plan = grouped_gemm(xq, wq, offsets=offs, swiglu=swiglu, out=out, return_plan=True)
+        assert plan.path == "sm100-fp4" and plan.decoded == (False, False)
+        assert plan.config == sm100_fp4.default_config(3, swiglu) and plan.grid > 0
+        ref = grouped_gemm_ref(xr, wr, offsets=offs, swiglu=swiglu)
+        assert (out[:9].float() - ref[:9]).norm() <= 1e-2 * ref[:9].norm()
+        assert torch.isnan(out[9].float()).all()
+        assert plan_grouped_gemm(xr.bfloat16(), wq, offsets=offs, swiglu=swiglu).path == "tl"
+        assert plan_grouped_gemm(xq, wr.bfloat16(), offsets=offs, swiglu=swiglu).path == "tl"
+    finally:
+        gemm_plan.clear_cache()
