@@ -337,3 +337,46 @@ def test_dispatcher_runs_the_sm100_path_where_available(monkeypatch, swiglu):
         assert plan_grouped_gemm(xq, wr.bfloat16(), offsets=offs, swiglu=swiglu).path == "tl"
     finally:
         gemm_plan.clear_cache()
+
+
+# --- tuning is ready -------------------------------------------------------------------------------------------
+
+B200 = dict(name="NVIDIA B200", major=10, minor=0, multi_processor_count=148, shared_memory_per_multiprocessor=233472,
+            shared_memory_per_block_optin=232448, total_memory=192 * 2 ** 30)
+"""A B200's device properties, as ``torch.cuda.get_device_properties`` gives them (the ones moe-ep reads)."""
+
+
+@pytest.mark.one_triton
+def test_tune_dry_run_on_a_mocked_b200_writes_the_file_its_loader_picks(tmp_path, monkeypatch):
+    """With a B200's properties mocked (capability 10.0, 148 SMs, its shared memory, its name), ``moe-ep tune`` runs its
+    whole path on the interpreter for a tiny preset and writes ``NVIDIA_B200.json`` (the H200 file's code path: device
+    name, buckets, routed counts), which validates, and which the loader picks for a call of that shape on that
+    device. The tl path is what is tuned: the sm100 kernel's configs are not in the tuned-file schema yet."""
+    from types import SimpleNamespace
+
+    from moe_ep import device_facts, options
+    from moe_ep.cli import main
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    from moe_ep.kernels.grouped_gemm import tuned_files
+    from moe_ep.kernels.grouped_gemm.config_space import shape_class
+    monkeypatch.setattr(device_facts, "properties", lambda: SimpleNamespace(**B200))
+    assert device_facts.device_name() == "NVIDIA_B200" and device_facts.sm_count() == 148
+    gemm_plan.clear_cache()
+    try:
+        with options.override(config_dir=str(tmp_path)):
+            assert main(["tune", "--hidden", "64", "--intermediate", "32", "--experts", "2", "--gemms", "gemm1",
+                         "--formats", "bf16", "--buckets", "8,64"]) == 0
+            path = tmp_path / "NVIDIA_B200.json"
+            table = json.loads(path.read_text())
+            key = shape_class(32, 64, False, True)
+            assert set(table[key]) == {"8", "64"}
+            for cfg in table[key].values():
+                tuned_files.validate(cfg, "config", True, False, None)
+            x = torch.randn(16, 64).bfloat16()
+            w = torch.randn(2, 64, 64).bfloat16()
+            plan = plan_grouped_gemm(x, w, offsets=torch.tensor([0, 8, 16]), swiglu=True, m_hint=8)
+            assert plan.config_source == "tuned-file" and plan.config_file.endswith("NVIDIA_B200.json")
+            assert plan.config == table[key]["8"]
+    finally:
+        gemm_plan.clear_cache()
