@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from moe_ep import MoEEpConfigError, MoEEpInputError
 from moe_ep.kernels.grouped_gemm import sm100_fp4
 from moe_ep.kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4, swizzle_scales
-from moe_ep.reference import dequantize_nvfp4_ref, e2m1_values_ref, grouped_gemm_ref
+from moe_ep.reference import dequantize_nvfp4_ref, grouped_gemm_ref
 from moe_ep.testing import compile_checks
 from moe_ep.testing.strategies import Bounds, gemm_cases, gemm_operand, make_gemm_operands
 

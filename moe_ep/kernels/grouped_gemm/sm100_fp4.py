@@ -5,8 +5,8 @@ Each K step is one ``tl.dot_scaled(codes, e4m3 scales, "e2m1", codes, e4m3 scale
 (two a byte, element 2i in the low nibble, as :class:`NvFp4Tensor` stores them) and one E4M3 scale per 16 elements
 along K. Built for sm_100, Triton lowers it to ``tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale`` (3.6 spells
 the 16-block ``scale_vec::4X``, 3.9 ``block16``) with UE4M3 scales in the instruction descriptor (its bit 23 clear):
-the compile checks assert exactly that for every config of :data:`SM100_CONFIGS`, so a Triton that falls back to a
-decoded MMA fails CI. What was found by building for ``GPUTarget("cuda", 100, 32)`` (no B200 here):
+``tests/test_sm100_fp4.py`` asserts exactly that for every config of :data:`SM100_CONFIGS`, so a Triton that falls
+back to a decoded MMA fails CI. What was found by building for ``GPUTarget("cuda", 100, 32)`` (no B200 here):
 
 - the MMA's M (the lhs rows of a tile) must be 128: with 64, Triton 3.6's compiler crashes (TritonGPUAccelerateMatmul)
   and 3.9 silently decodes to ``kind::f16``. N (the rhs rows) from 16 to 256 and K steps of 64 to 256 build the FP4
@@ -41,7 +41,6 @@ from ..nvfp4_tensor import NvFp4Tensor
 from . import schedule
 from .schedule import expert_row_tiles, group_order, row_tile_slots, tile_expert
 
-E2M1 = tl.constexpr("e2m1")  # a constexpr, not a str literal: Triton 3.6's interpreter reads the format's .value
 MMA_M = 128  # tcgen05's M for one CTA: the lhs rows of every tile (see the module docstring)
 CHECKED_TRITONS = ("3.6", "3.9")
 """Triton minor versions whose sm_100 build of this kernel was read (tests/test_sm100_fp4.py: the NVFP4 MMA in every
@@ -101,7 +100,8 @@ def default_config(tokens_per_expert: int, swiglu: bool) -> dict:
     pick = next((c for c in fits if c.kwargs["SWAP_AB"] and c.kwargs["BLOCK_M"] >= min(tokens_per_expert, 64)
                  and c.kwargs["BLOCK_K"] == 256), None) if tokens_per_expert <= 64 else None
     if pick is None:
-        pick = next(c for c in fits if not c.kwargs["SWAP_AB"] and c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 128)
+        pick = next(c for c in fits
+                    if not c.kwargs["SWAP_AB"] and c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 128)
     return dict(pick.kwargs, num_warps=pick.num_warps, num_stages=pick.num_stages)
 
 
@@ -156,7 +156,7 @@ def _block_scaled_mma(acc, a, sa, b, sb, EMULATE: tl.constexpr, BLOCK_K: tl.cons
         out = tl.dot(decoded_operand(a, sa, BLOCK_K), tl.trans(decoded_operand(b, sb, BLOCK_K)), acc,
                      input_precision="ieee")
     else:
-        out = tl.dot_scaled(a, sa, E2M1, tl.trans(b), sb, E2M1, acc)
+        out = tl.dot_scaled(a, sa, "e2m1", tl.trans(b), sb, "e2m1", acc)
     return out
 
 
