@@ -50,15 +50,16 @@ for i, check in enumerate(cc.sm100_fp4()):
     c = check[2]
     rows.append({"config": {n: c[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB")}, "swiglu": c["SWIGLU"],
                  "want": sm100_fp4.mma_shape(c, c["SWIGLU"]), "mmas": cc.block_scaled_fp4_mmas(k.asm["ptx"]),
-                 "other_mma": "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"]})
+                 "other_mma": "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], "shared": k.metadata.shared})
 print(json.dumps({"triton": triton.__version__, "listed": len(cc.sm100_fp4()), "rows": rows}))
 """
 
 
 def test_every_sm100_config_builds_the_block_scaled_nvfp4_mma(request):
     """Every config of ``SM100_CONFIGS`` (formats and epilogues rotating over them) builds for sm_100, and its PTX
-    holds tcgen05 MMAs that are all the NVFP4 one, with UE4M3 scales and the config's MMA shape, and no other MMA:
-    a Triton that decodes to bf16 instead (as 3.9 does for an M of 64) fails here. ``--compile-shard`` builds half."""
+    holds tcgen05 MMAs that are all the NVFP4 one, with UE4M3 scales and the config's MMA shape, and no other MMA
+    (a Triton that decodes to bf16 instead, as 3.9 does for an M of 64, fails here), in the shared memory a B200
+    gives one program. ``--compile-shard`` builds half."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -73,6 +74,7 @@ def test_every_sm100_config_builds_the_block_scaled_nvfp4_mma(request):
     for row in res["rows"]:
         m, n = row["want"]
         assert row["mmas"] and not row["other_mma"], row
+        assert row["shared"] <= B200["shared_memory_per_block_optin"], row  # launches on a B200
         for mma in row["mmas"]:
             assert compile_checks.nvfp4_mma_ok(mma), (res["triton"], row)
             assert (mma["idesc"] >> 24 & 31, mma["idesc"] >> 17 & 63) == (m >> 4, n >> 3), (res["triton"], row)

@@ -225,10 +225,6 @@ TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode
 SM90_ONLY = {"gluon_nvfp4"}
 """Kernel modules built for sm_90 alone (Hopper-only instructions): the sm_100 build says so instead of building."""
 
-SM100_ONLY = {"sm100_fp4"}
-"""Kernel modules built for sm_100 alone (tcgen05 block-scaled MMAs; tests/test_sm100_fp4.py builds them and reads
-their PTX)."""
-
 
 SM100_FP4_ALIGNED = ("xq_ptr", "xs_ptr", "xgs_ptr", "wq_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "rs_ptr", "cnt_ptr",
                      "N", "K", "K16")
@@ -238,7 +234,8 @@ def sm100_fp4():
     """(kernel, signature, constexprs, compile options) per config of ``sm100_fp4.SM100_CONFIGS``, as a launch builds
     it (16-byte aligned pointers and sizes, the config's warps and stages), with formats and epilogues rotating over
     the configs: both layouts, SwiGLU (GEMM1) and row scale (GEMM2), linear and swizzled scales, bf16 and fp32 out,
-    both K load paths. Built for sm_100 only (:data:`SM100_ONLY`)."""
+    both K load paths. Built for sm_100 alone (tcgen05 code), by tests/test_sm100_fp4.py, which reads the PTX;
+    not in :data:`TABLES`."""
     kernel = _sm100_fp4._sm100_fp4_kernel
     checks = []
     for i, c in enumerate(_sm100_fp4.SM100_CONFIGS):
