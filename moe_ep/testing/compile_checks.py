@@ -10,6 +10,7 @@ from ..kernels import nvfp4 as _nvfp4
 from ..kernels.grouped_gemm import fp4_decode as _fp4_decode
 from ..kernels.grouped_gemm import gluon_nvfp4 as _gluon_nvfp4
 from ..kernels.grouped_gemm import kernels as _gg_kernels
+from ..kernels.grouped_gemm import sm100_fp4 as _sm100_fp4
 
 
 def nvfp4():
@@ -247,3 +248,61 @@ TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode
 
 SM90_ONLY = {"gluon_nvfp4"}
 """Kernel modules built for sm_90 alone (Hopper-only instructions): the sm_100 build says so instead of building."""
+
+
+SM100_FP4_ALIGNED = ("xq_ptr", "xs_ptr", "xgs_ptr", "wq_ptr", "ws_ptr", "wgs_ptr", "out_ptr", "rs_ptr", "cnt_ptr",
+                     "N", "K", "K16")
+
+
+def sm100_fp4():
+    """(kernel, signature, constexprs, compile options) per config of ``sm100_fp4.SM100_CONFIGS``, as a launch builds
+    it (16-byte aligned pointers and sizes, the config's warps and stages), with formats and epilogues rotating over
+    the configs: both layouts, SwiGLU (GEMM1) and row scale (GEMM2), linear and swizzled scales, bf16 and fp32 out,
+    both K load paths. Built for sm_100 alone (tcgen05 code), by tests/test_sm100_fp4.py, which reads the PTX;
+    not in :data:`TABLES`."""
+    kernel = _sm100_fp4._sm100_fp4_kernel
+    checks = []
+    for i, c in enumerate(_sm100_fp4.SM100_CONFIGS):
+        swiglu = _sm100_fp4.config_fits(c.kwargs, True) and (i % 2 == 0 or not _sm100_fp4.config_fits(c.kwargs, False))
+        ragged, swz, fp32_out, even_k = i % 3 != 0, i % 4 in (1, 2), i % 5 == 4, i % 7 != 3
+        sig = {"xq_ptr": "*u8", "xs_ptr": "*u8", "xgs_ptr": "*fp32", "XGS_STRIDE": "i32", "wq_ptr": "*u8",
+               "ws_ptr": "*u8", "wgs_ptr": "*fp32", "out_ptr": "*fp32" if fp32_out else "*bf16", "rs_ptr": "*fp32",
+               "cnt_ptr": "*i32", **{a: "i32" for a in ("G", "M_MAX", "N", "K", "S", "K16", "X_SLICE_ROWS",
+                                                          "W_SLICE_ROWS", "CP")}}
+        const = dict(RAGGED=ragged, SWIGLU=swiglu, HAS_RS=not swiglu, X_SWIZZLED=swz, W_SWIZZLED=swz, BLOCK_G=32,
+                     EVEN_K=even_k, EMULATE=False, **c.kwargs)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        checks.append((kernel, sig, const, dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+    return checks
+
+
+def sm100_fp4_build(check, cc: int = 100):
+    """Build one :func:`sm100_fp4` check for ``GPUTarget("cuda", cc, 32)`` (interpreter off): the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, sig, const, opts = check
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in SM100_FP4_ALIGNED}
+    return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", cc, 32), options=opts)
+
+
+def block_scaled_fp4_mmas(ptx: str) -> list[dict]:
+    """The tcgen05 MMAs of a PTX text, each ``{"op": opcode, "idesc": its instruction descriptor (an int, None where
+    it is not a constant)}``: what the sm_100 compile checks read to see that the block-scaled NVFP4 MMA was built
+    (``kind::mxf4nvf4.block_scale`` with a 16-block: ``scale_vec::4X`` in Triton 3.6, ``block16`` in 3.9) and with
+    which scale type (descriptor bit 23: 0 is UE4M3, 1 UE8M0; N >> 3 in bits 17-22, M >> 4 in bits 24-28)."""
+    import re
+    consts = dict(re.findall(r"mov\.b32\s+(%r\d+),\s*(-?\d+);", ptx))
+    found = []
+    for op, reg in re.findall(r"(tcgen05\.mma[\w:.]*)\s+\[[^\]]*\],\s*%rd\d+,\s*%rd\d+,\s*(%r\d+)", ptx):
+        found.append({"op": op, "idesc": int(consts[reg]) & 0xFFFFFFFF if reg in consts else None})
+    return found
+
+
+def nvfp4_mma_ok(mma: dict) -> bool:
+    """Whether one of :func:`block_scaled_fp4_mmas` is the NVFP4 instruction: FP4 x FP4, 16-element blocks, UE4M3
+    scales."""
+    op, idesc = mma["op"], mma["idesc"]
+    sixteen = op.endswith(".block_scale.scale_vec::4X") or op.endswith(".block_scale.block16")
+    return "kind::mxf4nvf4" in op and sixteen and idesc is not None and not idesc >> 23 & 1

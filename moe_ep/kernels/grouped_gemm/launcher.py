@@ -18,7 +18,7 @@ from ...triton_runtime import check_on_kernel_device
 from .. import host_math, launch_cache
 from ..fp8 import FP8_BLOCK, Fp8Tensor, fp8_scales_shape, quantize_fp8
 from ..nvfp4 import NvFp4Tensor
-from . import config_space, kernels, schedule
+from . import config_space, kernels, schedule, sm100_fp4
 from . import plan as plans
 from .chain import Link, dependent_launch_supported
 from .chain import enabled as chain_enabled
@@ -181,6 +181,10 @@ def _plan(call: _Call, link: Link | None, config: dict | None, env: tuple | None
 def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     """Launch plan ``p`` for call ``c``; the plan as launched (an autotuned one with the autotuner's pick)."""
     if p.config_source == "no-launch":
+        return p
+    if p.path == "sm100-fp4":
+        sm100_fp4.launch(c.xd, c.xs, c.xgs, c.wd, c.ws, c.wgs, c.idx, c.out, c.row_scale, ragged=c.ragged,
+                         swiglu=c.swiglu, G=c.G, N=c.N, K=c.K, M_max=c.M_max, S=c.S, config=p.config)
         return p
     xd, wd, K = c.xd, c.wd, c.K
     if p.x_decoded:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ... import device_facts, options
-from . import config_space, schedule, tuned_files
+from . import config_space, schedule, sm100_fp4, tuned_files
 from .config_space import DECODE_MAX_M, m_bucket
 
 CONFIG_SOURCES = ("tuned-file", "first-config", "autotune", "forced", "no-launch")
 CHAIN_ROLES = ("none", "counts", "waits")
+PATHS = ("tl", "sm100-fp4")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class GemmPlan:
       (TMA configs, or a masked layout with a large row capacity); ``grid``: the programs launched.
     - ``chain``: "none", "counts" (GEMM1 of a chained expert MLP: counts its finished tiles per expert) or "waits"
       (GEMM2: waits per expert); ``pdl``: launched as / allowing a programmatic dependent launch.
+    - ``path``: the kernel that runs (:data:`PATHS`): "tl" (``kernels.py``) or "sm100-fp4" (``sm100_fp4.py``: NVFP4 x
+      and w on the block-scaled FP4 tensor cores of a compute capability 10.x GPU, where ``sm100_fp4.available``; no
+      decoded copies, its own config space; a forced ``config`` keeps the tl path).
     """
     layout: str
     sizes: tuple
@@ -60,6 +64,7 @@ class GemmPlan:
     chain: str = "none"
     pdl: bool = False
     out_format: str = "bf16"
+    path: str = "tl"
 
     @property
     def decoded(self) -> tuple[bool, bool]:
@@ -122,6 +127,12 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
     if S == 0:
         return GemmPlan(**dict(base, chain="none", pdl=False), config=None, config_source="no-launch",
                         config_file=None, tma=False, persistent=False, grid=0)
+    if config is None and x_fp4 and w_fp4 and sm100_fp4.available():  # W4A4 on Blackwell: native FP4 MMAs
+        cfg = sm100_fp4.default_config(m, swiglu)
+        grid = schedule.tile_slots(ragged, G, M_max, S, N, cfg["BLOCK_M"], cfg["BLOCK_N"])
+        return GemmPlan(**dict(base, x_decoded=False, w_decoded=False, tma_possible=False), config=cfg,
+                        config_source="first-config", config_file=None, tma=False, persistent=False, grid=grid,
+                        path="sm100-fp4")
     if config is not None:
         cfg, source, path = tuned_files.validate(config, "config", swiglu, w_tiles_fp4, device_facts.smem_limit(),
                                                  fp8=fp8, fp8_out=fp8_out), "forced", None
