@@ -18,6 +18,7 @@ from moe_ep.kernels import NvFp4Tensor, nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels.grouped_gemm import gluon_nvfp4
 from moe_ep.reference import dequantize_nvfp4_ref, grouped_gemm_ref
 from moe_ep.testing.strategies import expert_counts, scaled_values
+from moe_ep.triton_runtime import device as kernel_device
 
 FP32_TOL = 1e-4
 BF16_TOL = 1e-2
@@ -123,8 +124,11 @@ def _bad_inputs():
 
 
 def _w(G, N, K, swizzled=False):
+    """NVFP4 weights on the CPU wherever the kernels run (quantized where they run): the table's tensors are CPU
+    tensors on every machine, so each row fails the check it names and only "x on the CPU" the device check."""
     shape = (N, K) if G is None else (G, N, K)
-    q = quantize_nvfp4(torch.ones(shape))
+    q = quantize_nvfp4(torch.ones(shape, device=kernel_device()))
+    q = NvFp4Tensor(q.data.cpu(), q.scales.cpu(), q.global_scale.cpu(), q.shape)
     if swizzled:
         from moe_ep.kernels.nvfp4_tensor import swizzle_scales
         return NvFp4Tensor(q.data, swizzle_scales(q.scales), q.global_scale, q.shape, swizzled=True)

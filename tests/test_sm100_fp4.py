@@ -29,6 +29,11 @@ from moe_ep.kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4, swizzle_scales
 from moe_ep.reference import dequantize_nvfp4_ref, grouped_gemm_ref
 from moe_ep.testing import compile_checks
 from moe_ep.testing.strategies import Bounds, gemm_cases, gemm_operand, make_gemm_operands
+from moe_ep.triton_runtime import INTERPRETER
+from moe_ep.triton_runtime import device as kernel_device
+
+interpreted = pytest.mark.skipif(not INTERPRETER, reason="the sm_100 path's proof without a B200 runs its kernel "
+                                 "(emulated MMA) through Triton's interpreter on CPU tensors; a GPU here is no sm_100")
 
 _ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                       HealthCheck.data_too_large])
@@ -119,8 +124,10 @@ def nvfp4_mma_contract(a_codes, a_scales, b_codes, b_scales) -> torch.Tensor:
 
 
 def _nvfp4_rows(rows, K, seed):
+    """NVFP4 rows quantized where the kernels run, their parts brought to the CPU (the contract is torch on the CPU)."""
     g = torch.Generator().manual_seed(seed)
-    return quantize_nvfp4(torch.randn(rows, K, generator=g).bfloat16() * 3, 1.0)
+    q = quantize_nvfp4((torch.randn(rows, K, generator=g).bfloat16() * 3).to(kernel_device()), 1.0)
+    return NvFp4Tensor(q.data.cpu(), q.scales.cpu(), q.global_scale.cpu(), q.shape)
 
 
 @given(m=st.integers(1, 5), n=st.integers(1, 5), k16=st.integers(1, 6), seed=st.integers(0, 2 ** 16))
@@ -144,6 +151,7 @@ def _operand_bytes_kernel(q_ptr, s_ptr, rows_ptr, q_out, s_out, k0, K, K16, SLIC
              s.to(tl.uint8, bitcast=True))
 
 
+@interpreted
 @pytest.mark.parametrize("swizzled", [False, True], ids=["linear", "swizzled"])
 @pytest.mark.parametrize("K, block_k, k0", [(256, 128, 128), (96, 128, 0), (160, 128, 128)])
 def test_operand_bytes_are_the_tensors_rows(swizzled, K, block_k, k0):
@@ -181,6 +189,7 @@ def _emulated_mma_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, M: tl.constexpr,
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc)
 
 
+@interpreted
 @given(seed=st.integers(0, 2 ** 16), block_k=st.sampled_from([64, 128]))
 def test_interpreter_stand_in_is_the_instruction_contract(seed, block_k):
     """Under the interpreter the kernel's MMA step (``EMULATE``) computes the contract exactly: a power-of-two scaled
@@ -207,6 +216,7 @@ def _swizzled(q: NvFp4Tensor) -> NvFp4Tensor:
     return NvFp4Tensor(q.data, swizzle_scales(q.scales), q.global_scale, q.shape, True)
 
 
+@interpreted
 @_ok
 @given(_cases())
 def test_sm100_fp4_kernel_matches_reference(c):
@@ -250,6 +260,7 @@ def _operands():
     return x, w, torch.tensor([0, 3, 8], dtype=torch.int32)
 
 
+@interpreted
 @pytest.mark.parametrize("change, exc, says", [
     (dict(x=torch.zeros(8, 32, dtype=torch.bfloat16)), MoEEpInputError, "type(x)"),
     (dict(w="w"), MoEEpInputError, "type(w)"),
@@ -271,6 +282,7 @@ def test_bad_arguments_are_named(change, exc, says):
         sm100_fp4.sm100_fp4_grouped_gemm(x, w, **args)
 
 
+@interpreted
 def test_x_and_w_of_other_k_are_refused():
     x, w, offs = _operands()
     x = quantize_nvfp4(torch.randn(8, 48).bfloat16())
@@ -305,6 +317,7 @@ def _w4a4_call(swiglu=True):
     return xq, xr, wq, wr, offs
 
 
+@interpreted
 def test_plan_reports_the_tl_path_here():
     """Without a capability 10.x GPU (this CPU) W4A4 calls plan and run the tl kernel, as before."""
     from moe_ep.kernels import grouped_gemm, plan_grouped_gemm
@@ -317,6 +330,7 @@ def test_plan_reports_the_tl_path_here():
     assert plan.path == "tl"
 
 
+@interpreted
 @pytest.mark.parametrize("swiglu", [True, False])
 def test_dispatcher_runs_the_sm100_path_where_available(monkeypatch, swiglu):
     """Where ``available`` says so (mocked here), a W4A4 ``grouped_gemm`` plans and launches this kernel (its
@@ -348,6 +362,7 @@ B200 = dict(name="NVIDIA B200", major=10, minor=0, multi_processor_count=148, sh
 """A B200's device properties, as ``torch.cuda.get_device_properties`` gives them (the ones moe-ep reads)."""
 
 
+@interpreted
 @pytest.mark.one_triton
 def test_tune_dry_run_on_a_mocked_b200_writes_the_file_its_loader_picks(tmp_path, monkeypatch):
     """With a B200's properties mocked (capability 10.0, 148 SMs, its shared memory, its name), ``moe-ep tune`` runs its
