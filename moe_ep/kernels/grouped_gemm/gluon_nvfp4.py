@@ -48,6 +48,11 @@ BLOCK_K = 256  # K per ring slot (128 code bytes per row: one 128-byte swizzle r
 K_MULTIPLE = 256  # TMA: the scale rows (K/16 bytes) must be 16-byte multiples
 TOKEN_TILES = (8, 16, 32, 64)  # BLOCK_T choices: wgmma N of 8 .. 64
 _TWO_118 = gl.constexpr(2.0 ** 118)
+# a barrier of the CTA's threads: Gluon's name for it changed (Triton 3.6 ``thread_barrier``, 3.9 ``barrier``)
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# TMA's global -> shared copy, likewise renamed (3.6 ``async_copy_global_to_shared``, 3.9 ``async_load``; the same
+# arguments: descriptor, coordinates, mbarrier, destination)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 def token_tile(tokens_per_expert: int) -> int:
@@ -105,9 +110,9 @@ def _producer(q_desc, s_desc, x_desc, offs_ptr, q_ring, s_ring, x_ring, ready, e
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row, k0 // 2], bar, q_ring.index(slot))
-            tma.async_copy_global_to_shared(s_desc, [row, k0 // 16], bar, s_ring.index(slot))
-            tma.async_copy_global_to_shared(x_desc, [t0, k0], bar, x_ring.index(slot))
+            _tma_load(q_desc, [row, k0 // 2], bar, q_ring.index(slot))
+            _tma_load(s_desc, [row, k0 // 16], bar, s_ring.index(slot))
+            _tma_load(x_desc, [t0, k0], bar, x_ring.index(slot))
             i += 1
 
 
@@ -192,7 +197,7 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
             a_buf = a_smem.index(i % A_BUFFERS)
             a_buf.store(w)
             fence_async_shared()
-            gl.thread_barrier()  # every warp's part of A is written before the MMA reads it
+            _cta_barrier()  # every warp's part of A is written before the MMA reads it
             acc = warpgroup_mma(a_buf, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
             if A_BUFFERS == 2:  # the MMA runs on while the next slot is decoded into the other A buffer
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
