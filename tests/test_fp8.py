@@ -103,7 +103,34 @@ BAD = [
                                                  128, True), "Fp8Tensor.scales.shape = (2, 3, 1)"),
     ("gate_up odd data", lambda d: Fp8Tensor(torch.zeros(3, 16).to(torch.float8_e4m3fn), torch.ones(2, 1), 128, True),
      "Fp8Tensor.data.shape = (3, 16)"),
+    ("out not fp8", lambda d: quantize_fp8(torch.zeros(2, 16).to(d), out=torch.zeros(2, 16).to(d)), "type(out)"),
+    ("out shape", lambda d: quantize_fp8(torch.zeros(2, 16).to(d), out=_out(3, 16, d)), "out (shape, block_rows)"),
+    ("out block rows", lambda d: quantize_fp8(torch.zeros(2, 16).to(d), 128, out=_out(2, 16, d)),
+     "out (shape, block_rows)"),
+    ("out strided", lambda d: quantize_fp8(torch.zeros(2, 16).to(d), out=Fp8Tensor(
+        torch.zeros(2, 32).to(torch.float8_e4m3fn).to(d)[:, :16], torch.ones(2, 1).to(d))), "out parts contiguous"),
+    ("out gate_up", lambda d: quantize_fp8(torch.zeros(2, 16).to(d), 128, gate_up=True,
+                                           out=Fp8Tensor(torch.zeros(2, 16).to(torch.float8_e4m3fn).to(d),
+                                                         torch.ones(2, 1).to(d), 128, True)), "out = 'an Fp8Tensor'"),
 ]
+
+
+def _out(rows, k, d):
+    return Fp8Tensor(torch.zeros(rows, k).to(torch.float8_e4m3fn).to(d), torch.ones(rows, -(-k // 128)).to(d))
+
+
+@pytest.mark.parametrize("rows, k", [(5, 300), (1, 128), (16, 7168)])
+def test_out_is_written_and_returned_bit_for_bit(dev, rows, k):
+    """``quantize_fp8(x, out=q)`` writes x's codes and scales into q's (poisoned) parts and returns q: the same bits
+    as the allocating call."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)).bfloat16().to(dev) * 7
+    out = Fp8Tensor(torch.full((rows, k), 0x7F, dtype=torch.uint8).to(dev).view(torch.float8_e4m3fn),
+                    torch.full((rows, -(-k // 128)), float("nan")).to(dev))
+    got = quantize_fp8(x, out=out)
+    want = quantize_fp8(x)
+    assert got is out
+    assert_bits_equal(got.data, want.data, "codes")
+    assert_bits_equal(got.scales, want.scales, "scales")
 
 
 @pytest.mark.parametrize("name, call, says", BAD, ids=[b[0] for b in BAD])

@@ -186,11 +186,13 @@ def _grid(lead: int, R: int, K: int, block_rows: int):
 
 
 def quantize_fp8(x: torch.Tensor, block_rows: int = 1, *, check_finite: bool = True,
-                 gate_up: bool = False) -> Fp8Tensor:
+                 gate_up: bool = False, out: Fp8Tensor | None = None) -> Fp8Tensor:
     """Quantize ``x [..., R, K]`` (bf16/fp16/fp32, on the kernels' device) to FP8 with one scale per
     ``block_rows`` x 128 block (1: activations, per row; 128: weights; blocks never cross the leading dims).
     ``gate_up``: x is ``[..., 2I, K]``, gate rows then up rows, and each half is blocked on its own (an FP8
-    ``w13``; see :class:`Fp8Tensor`).
+    ``w13``; see :class:`Fp8Tensor`). ``out``: an ``Fp8Tensor`` of x's shape and ``block_rows`` (contiguous parts,
+    x's device) that the codes and scales are written into and that is returned (no allocation: a transport's own
+    send buffers); not with ``gate_up``.
 
     NaN/Inf: FP8 E4M3FN has no Inf and its NaN is no number to compute with; with ``check_finite`` (default) a
     non-finite x raises :class:`MoEEpInputError` (one host sync, skipped under CUDA-graph capture); without it,
@@ -205,6 +207,8 @@ def quantize_fp8(x: torch.Tensor, block_rows: int = 1, *, check_finite: bool = T
     check(isinstance(gate_up, bool), "gate_up", gate_up, "True or False")
     check(not gate_up or x.shape[-2] % 2 == 0, "x.shape", tuple(x.shape), "[..., 2I, K] (even rows) with gate_up")
     check_on_kernel_device(x, "x")
+    if out is not None:
+        _check_out(out, x, block_rows, gate_up)
     if check_finite and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         if not bool(torch.isfinite(x).all()):
             raise MoEEpInputError("x holds NaN or Inf; allowed: finite values (pass check_finite=False to skip "
@@ -219,13 +223,27 @@ def quantize_fp8(x: torch.Tensor, block_rows: int = 1, *, check_finite: bool = T
     x2 = x.detach().reshape(-1, K) if K else x.detach().reshape(lead * R, 0)
     if K and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(fp8_scales_shape(x.shape, block_rows), dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(fp8_scales_shape(x.shape, block_rows), dtype=torch.float32, device=x.device)
+    else:
+        q, s = out.data, out.scales
     if q.numel():
         grid, bm, rb = _grid(lead, R, K, block_rows)
         launch_cache.launch(_quantize_fp8_kernel, grid, x2, q.view(torch.uint8), s, lead * R if block_rows == 1 else R,
                             K, x2.stride(0), rb, grid[1], PER_ROW=block_rows == 1, BLOCK_M=bm)
-    return Fp8Tensor(q, s, block_rows)
+    return Fp8Tensor(q, s, block_rows) if out is None else out
+
+
+def _check_out(out, x: torch.Tensor, block_rows: int, gate_up: bool) -> None:
+    """``quantize_fp8``'s ``out``: an Fp8Tensor of x's shape and block rows, contiguous parts on x's device."""
+    check(isinstance(out, Fp8Tensor), "type(out)", type(out).__name__, "an Fp8Tensor")
+    check(not gate_up, "out", "an Fp8Tensor", "None with gate_up (its halves are quantized apart)")
+    check(tuple(out.shape) == tuple(x.shape) and out.block_rows == block_rows, "out (shape, block_rows)",
+          (tuple(out.shape), out.block_rows), f"({tuple(x.shape)}, {block_rows}): x's")
+    check(out.data.is_contiguous() and out.scales.is_contiguous(), "out parts contiguous",
+          (out.data.is_contiguous(), out.scales.is_contiguous()), "(True, True)")
+    check(out.data.device == x.device, "out.data.device", str(out.data.device), f"{x.device} (x's)")
 
 
 def dequantize_fp8(q: Fp8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

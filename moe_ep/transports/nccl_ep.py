@@ -134,6 +134,9 @@ class NcclEpTransport:
         self.fp8_ds = fp8 and not self.ht     # LL: the library's DS_FP8E3M4 recipe quantizes bf16 rows
         self.fp8_fwd = fp8 and self.ht        # HT: our quantize, forwarded (FWD)
         self.n_scales = fp8_row_scales(c.hidden_size)
+        # HT FP8 scale rows need no padding when ceil(H/128) is a multiple of 4 (H % 512 == 0: DeepSeek-V3, Qwen3):
+        # then the send and receive rows are the fp32 scales themselves, with no copy on either side
+        self.fp8_rows_unpadded = self.fp8_fwd and 4 * self.n_scales == fp8_scale_row_bytes(c.hidden_size)
         if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
             raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
                                    f"<= {HT_MAX_TOKENS_PER_RANK} with HIGH_THROUGHPUT on transport 'nccl_ep'")
@@ -187,9 +190,12 @@ class NcclEpTransport:
         if self.fp8_fwd:
             w = fp8_scale_row_bytes(H)
             b["scale_rows"] = z(*lead, w, dt=torch.uint8)                  # what travels: fp32 scale bytes, pad
-            b["scales"] = z(*lead, self.n_scales, dt=torch.float32)        # what the compute reads (contiguous)
             b["x_scale_rows"] = z(T, w, dt=torch.uint8)                    # the send side's rows
             b["x_codes"] = z(T, H, dt=e4m3)                                # ... and codes (same address each step)
+            if self.fp8_rows_unpadded:  # the rows are the scales themselves: quantized into, read as they are
+                b["scales"] = b["scale_rows"].view(torch.float32)
+            else:
+                b["scales"] = z(*lead, self.n_scales, dt=torch.float32)    # what the compute reads (contiguous)
         if self.fp4:
             b["scale_rows"] = z(*lead, H // 16 + 16, dt=torch.uint8)   # what travels: e4m3 scales, fp32 gs, pad
             b["scales"] = z(*lead, H // 16, dt=torch.float8_e4m3fn)     # what the compute reads (contiguous)
@@ -295,7 +301,7 @@ class NcclEpTransport:
             b, h16 = self.bufs, self.config.hidden_size // 16
             b["scales"].view(torch.uint8).copy_(b["scale_rows"][..., :h16])
             b["row_gs"].view(torch.uint8).view(*b["row_gs"].shape, 4).copy_(b["scale_rows"][..., h16:h16 + 4])
-        elif self.fp8_fwd:  # the received scale rows' fp32 bytes into the compute's contiguous scales
+        elif self.fp8_fwd and not self.fp8_rows_unpadded:  # the received rows' fp32 bytes into contiguous scales
             b = self.bufs
             b["scales"].view(torch.uint8).copy_(b["scale_rows"][..., :4 * self.n_scales])
         if self._result is None:  # after the library's first call, so its own checks on the buffers come first
@@ -315,10 +321,14 @@ class NcclEpTransport:
     def _quantize_fp8(self, x: torch.Tensor):
         """FP8 codes of ``x`` (``quantize_fp8``, one scale per token per 128 channels) and their scale rows (the fp32
         scales' bytes, zero padded). Non-finite tokens: the layer's validate refuses them before dispatch."""
-        from ..kernels.fp8 import quantize_fp8
+        from ..kernels.fp8 import Fp8Tensor, quantize_fp8
         B = x.shape[0]
-        q = quantize_fp8(x, 1, check_finite=False)
         rows = self.bufs["x_scale_rows"][:B]
+        if self.fp8_rows_unpadded:  # straight into the send buffers
+            q = quantize_fp8(x, 1, check_finite=False,
+                             out=Fp8Tensor(self.bufs["x_codes"][:B], rows.view(torch.float32)))
+            return q.data, rows
+        q = quantize_fp8(x, 1, check_finite=False)
         rows[:, :4 * self.n_scales].copy_(q.scales.view(torch.uint8))
         return self.bufs["x_codes"][:B].copy_(q.data), rows
 
