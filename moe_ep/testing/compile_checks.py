@@ -60,8 +60,8 @@ def bridge():
              "PAD_ROWS": "i32", "w_ptr": "*fp32", "slot_w_ptr": "*fp32", "HAS_VALID": "constexpr",
              "ONE_CHUNK": "constexpr", "PADDED": "constexpr", "SLOT_W": "constexpr", "CHUNK": "constexpr",
              "LP": "constexpr"}
-    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "total_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "M_X": "i32",
-              "H": "i32", "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "offsets_ptr": "*i32", "TOTAL_AT": "i32", "out_ptr": "*bf16",
+              "N": "i32", "M_X": "i32", "H": "i32", "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
            "K": "constexpr", "N_Y": "i32", "stride_y": "i32", "HAS_W": "constexpr", "BLOCK_M": "constexpr",
            "BLOCK_H": "constexpr"}
