@@ -65,14 +65,18 @@ def _inputs(E=8, K=2, H=64, I=32, B=4):
     return w, x, idx, torch.rand(B, K, generator=g)
 
 
-@pytest.mark.parametrize("case", list(BOUNDS), ids=lambda c: c if isinstance(c, str) else "-".join(c))
-def test_eager_forward_ops_and_launches_stay_bounded(monkeypatch, case):
+def _forward(case):
+    """One eager forward of ``case`` (a layout pair, or "fused_moe") on small inputs, validate=False."""
     w, x, idx, wts = _inputs()
     if case == "fused_moe":
-        call = lambda: fused_moe(x, idx, wts, w, validate=False)  # noqa: E731
-    else:
-        layer = MoEEpLayer(EpConfig(8, 2, 64, 32, 4, *case), w)
-        call = lambda: layer(x, idx, wts, validate=False)  # noqa: E731
+        return lambda: fused_moe(x, idx, wts, w, validate=False)
+    layer = MoEEpLayer(EpConfig(8, 2, 64, 32, 4, *case), w)
+    return lambda: layer(x, idx, wts, validate=False)
+
+
+@pytest.mark.parametrize("case", list(BOUNDS), ids=lambda c: c if isinstance(c, str) else "-".join(c))
+def test_eager_forward_ops_and_launches_stay_bounded(monkeypatch, case):
+    call = _forward(case)
     ops, launches, detail = _measure(monkeypatch, call)
     max_ops, max_launches = BOUNDS[case]
     assert ops <= max_ops, f"{ops} aten ops per forward (bound {max_ops}): {dict(detail.most_common(10))}"
@@ -136,12 +140,7 @@ def test_launch_path_python_calls_stay_bounded(monkeypatch, case):
     monkeypatch.setattr(launch_cache, "_driver", lambda: _Driver)
     monkeypatch.setattr(launch_cache, "_through_triton", _through_triton)
     monkeypatch.setattr(launch_cache, "_KERNELS", {})
-    w, x, idx, wts = _inputs()
-    if case == "fused_moe":
-        call = lambda: fused_moe(x, idx, wts, w, validate=False)  # noqa: E731
-    else:
-        layer = MoEEpLayer(EpConfig(8, 2, 64, 32, 4, *case), w)
-        call = lambda: layer(x, idx, wts, validate=False)  # noqa: E731
+    call = _forward(case)
     call()  # first calls through the stand-in "Triton": kept kernels
     calls = _moe_ep_calls(call)
     assert calls <= CALL_BOUNDS[case], f"{calls} Python calls in moe_ep per forward (bound {CALL_BOUNDS[case]})"

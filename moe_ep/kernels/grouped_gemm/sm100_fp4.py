@@ -40,6 +40,7 @@ from ..nvfp4 import e2m1_values, e4m3_values_of_bytes, swizzled_offset
 from ..nvfp4_tensor import NvFp4Tensor
 from . import schedule
 from .schedule import expert_row_tiles, group_order, row_tile_slots, tile_expert
+from .kernels import _as_cols, _as_rows  # the accumulator orientation rule, shared with the tl kernel
 
 MMA_M = 128  # tcgen05's M for one CTA: the lhs rows of every tile (see the module docstring)
 CHECKED_TRITONS = ("3.6", "3.9")
@@ -170,25 +171,6 @@ def _mma(acc, xq, xs, wq, ws, SWAP_AB: tl.constexpr, EMULATE: tl.constexpr, BLOC
     return out
 
 
-@triton.jit
-def _rows_of(v, SWAP_AB: tl.constexpr):
-    """A per-token vector broadcast against the accumulator ([BM, BN], or [BN, BM] when swapped)."""
-    if SWAP_AB:
-        out = v[None, :]
-    else:
-        out = v[:, None]
-    return out
-
-
-@triton.jit
-def _cols_of(v, SWAP_AB: tl.constexpr):
-    if SWAP_AB:
-        out = v[:, None]
-    else:
-        out = v[None, :]
-    return out
-
-
 @triton.jit(do_not_specialize=["G", "M_MAX", "S", "XGS_STRIDE", "X_SLICE_ROWS", "W_SLICE_ROWS"])
 def _sm100_fp4_kernel(
         xq_ptr, xs_ptr, xgs_ptr, XGS_STRIDE,  # x: codes uint8 [rows, K/2], scales (bytes), fp32 global scale(s)
@@ -227,14 +209,14 @@ def _sm100_fp4_kernel(
             else:
                 acc, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         # value = e2m1 * s / gs for both operands: the sums are divided by both global scales once
-        inv = _rows_of(1.0 / tl.load(xgs_ptr + x_rows * XGS_STRIDE), SWAP_AB) / tl.load(wgs_ptr + g)
+        inv = _as_rows(1.0 / tl.load(xgs_ptr + x_rows * XGS_STRIDE), SWAP_AB) / tl.load(wgs_ptr + g)
         acc = acc * inv
         if SWIGLU:
             acc = acc / (1.0 + tl.exp(-acc)) * (up * inv)
         if HAS_RS:
-            acc = acc * _rows_of(tl.load(rs_ptr + x_rows), SWAP_AB)
-        ptrs = out_ptr + _rows_of((row0 + rm) * N, SWAP_AB) + _cols_of(rn, SWAP_AB)
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=_rows_of(rm < count, SWAP_AB) & _cols_of(rn < N, SWAP_AB))
+            acc = acc * _as_rows(tl.load(rs_ptr + x_rows), SWAP_AB)
+        ptrs = out_ptr + _as_rows((row0 + rm) * N, SWAP_AB) + _as_cols(rn, SWAP_AB)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=_as_rows(rm < count, SWAP_AB) & _as_cols(rn < N, SWAP_AB))
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, xgs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
