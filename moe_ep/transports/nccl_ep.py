@@ -134,8 +134,8 @@ class NcclEpTransport:
         self.fp8_ds = fp8 and not self.ht     # LL: the library's DS_FP8E3M4 recipe quantizes bf16 rows
         self.fp8_fwd = fp8 and self.ht        # HT: our quantize, forwarded (FWD)
         self.n_scales = fp8_row_scales(c.hidden_size)
-        # HT FP8 scale rows need no padding when ceil(H/128) is a multiple of 4 (H % 512 == 0: DeepSeek-V3, Qwen3):
-        # then the send and receive rows are the fp32 scales themselves, with no copy on either side
+        # HT FP8 scale rows need no padding when ceil(H/128) is a multiple of 4 (H a multiple of 512, as DeepSeek-V3's
+        # and Qwen3's are): then the send and receive rows are the fp32 scales themselves, no copy on either side
         self.fp8_rows_unpadded = self.fp8_fwd and 4 * self.n_scales == fp8_scale_row_bytes(c.hidden_size)
         if self.ht and c.max_tokens_per_rank > HT_MAX_TOKENS_PER_RANK:
             raise MoEEpConfigError(f"EpConfig.max_tokens_per_rank = {c.max_tokens_per_rank}; allowed: "
