@@ -93,8 +93,7 @@ def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, config: EpCo
                     tokens_per_expert: int | None) -> torch.Tensor:
     """``[S, H]`` grouped by expert -> ``[S, H]``, slot s scaled by ``topk_weights[s]`` (fused in GEMM2)."""
     return expert_mlp(_tokens(d.tokens, config, w), w.w13, w.w2, offsets=_gemm_offsets(d),
-                      row_scale=d.topk_weights.float(),
-                      m_hint=tokens_per_expert)
+                      row_scale=d.topk_weights.float(), m_hint=tokens_per_expert)
 
 
 def _gemm_offsets(d: HighThroughputExpertMajor) -> torch.Tensor:

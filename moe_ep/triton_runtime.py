@@ -183,8 +183,8 @@ def _patch_lang_once_per_launch(interp) -> None:
     """A launch patches triton.language (every builtin, found by ``inspect.getmembers``) for its duration, and
     then every call of a ``@triton.jit`` helper inside it patches the same modules again, unrestored, with the
     same values: most of an interpreted kernel's time when its helpers are small. A helper's call skips that
-    when the launch in progress, or a helper within it, has patched every language module the helper sees. (Nothing to do where the
-    interpreter has no such functions.)"""
+    when the launch in progress, or a helper within it, has patched every language module the helper sees. (Nothing
+    to do where the interpreter has no such functions.)"""
     grid_executor = getattr(interp, "GridExecutor", None)
     orig_patch_lang = getattr(interp, "_patch_lang", None)
     if grid_executor is None or orig_patch_lang is None or not hasattr(interp, "_LangPatchScope"):

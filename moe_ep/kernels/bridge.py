@@ -22,8 +22,8 @@ slots is ``offsets[L]``, a device scalar. Rows past the valid slots are left unt
 Every public launcher checks that its arguments agree (shapes, dtypes, devices; no host sync) and raises
 :class:`MoEEpInputError` naming the argument otherwise; the ``_``-prefixed entries (``_route``, ``_permute``,
 ``_scatter``, ``_unpermute``) launch the same kernels without the checks, for this package's callers whose tensors
-were checked already (the layout contract, the routing checks). What only the device knows has a defined result instead:
-int64 ids of 2^31 and more are "not here" (compared in int64, never narrowed onto another expert), and a slot
+were checked already (the layout contract, the routing checks). What only the device knows has a defined result
+instead: int64 ids of 2^31 and more are "not here" (compared in int64, never narrowed onto another expert), and a slot
 past the end of ``y`` in :func:`unpermute_reduce` makes its row NaN (never read out of bounds).
 """
 
@@ -66,7 +66,8 @@ class Route:
     offsets: torch.Tensor | None      # [L+1] first slot of each expert; offsets[L] = number of valid slots
     slot: torch.Tensor | None         # [M, K] slot of (row, k), -1 when the pick is not here
     row_of_slot: torch.Tensor | None  # [M*K] source row of each slot, -1 past offsets[L]
-    slot_weight: torch.Tensor | None = None  # float32 [slots]: each valid slot's routing weight (route_experts(weights=))
+    slot_weight: torch.Tensor | None = None  # float32 [slots]: each valid slot's routing weight
+    # (route_experts(weights=))
 
     def __post_init__(self):
         self.check()
@@ -94,7 +95,8 @@ class Route:
         sw = self.slot_weight
         if sw is not None:
             if not isinstance(sw, torch.Tensor) or sw.dtype != torch.float32 or sw.dim() != 1:
-                fail("route.slot_weight", f"{getattr(sw, 'dtype', type(sw).__name__)} {tuple(getattr(sw, 'shape', ()))}",
+                fail("route.slot_weight",
+                     f"{getattr(sw, 'dtype', type(sw).__name__)} {tuple(getattr(sw, 'shape', ()))}",
                      "torch.float32, 1-D, or None")
             devs.append(sw.device)
         if any(d != devs[0] for d in devs):
@@ -262,7 +264,8 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
     pad = 0
     if padded_rows is not None:
         if not (_is_int(padded_rows) and 0 < padded_rows and L * padded_rows < 2 ** 31):
-            fail("padded_rows", padded_rows, f"None or a positive int with num_local_experts ({L}) * padded_rows < 2**31")
+            fail("padded_rows", padded_rows,
+                 f"None or a positive int with num_local_experts ({L}) * padded_rows < 2**31")
         pad = int(padded_rows)
     if weights is not None:
         if not isinstance(weights, torch.Tensor):
@@ -335,8 +338,8 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
     """The route kernels for contiguous ``idx [..., K]`` into ``out``'s buffers: one launch up to
     ``_ROUTE_ONE_LAUNCH`` ids, else histogram then place over chunks (each placing program scans the histograms).
     ``warps``: the launch width (default: the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it).
-    ``pad_rows`` > 0: padded expert-major slots (``route_experts(padded_rows=)``; ``out.row_of_slot`` is not written); ``weights``: contiguous ``[M, K]``, written
-    per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]``
+    ``pad_rows`` > 0: padded expert-major slots (``route_experts(padded_rows=)``; ``out.row_of_slot`` is not
+    written); ``weights``: contiguous ``[M, K]``, written per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]``
     histograms in between calls (a caller that routes the same shape again). No checks: the caller's."""
     K = idx.shape[-1]
     N, dev, has_valid = idx.numel(), idx.device, valid_rows is not None

@@ -37,8 +37,8 @@ from ..layout_contract import (HighThroughputExpertMajor, HighThroughputFlat, Lo
 
 class WorldOneLayouts:
     """Dispatch and combine of one :class:`EpConfig` at world size 1 (module doc). ``dispatch(x, q, idx, w)``:
-    ``x [B, H]`` bf16, ``q`` its NVFP4 or FP8 form or None, ``idx [B, K]`` int32/int64 global (= local) ids, ``w [B, K]``
-    float, all checked by the layer; ``combine(y)``: the compute's output for the last dispatch -> ``[B, H]`` bf16."""
+    ``x [B, H]`` bf16, ``q`` its NVFP4 or FP8 form or None, ``idx [B, K]`` int32/int64 global (= local) ids,
+    ``w [B, K]`` float, all checked by the layer; ``combine(y)``: the compute's output for the last dispatch -> ``[B, H]`` bf16."""
 
     def __init__(self, config: EpConfig, device: torch.device):
         self.config, self.device = config, device

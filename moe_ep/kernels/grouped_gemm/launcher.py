@@ -276,8 +276,8 @@ def _descriptor(t: torch.Tensor, K: int, block: tuple) -> TensorDescriptor:
     """``TensorDescriptor.from_tensor(t.view(-1, K), block)`` without its per-call checks, which hold here by
     construction: ``t`` is contiguous bf16 or e4m3 (rows of K, K % 16 == 0: every row stride is 16-byte aligned; at
     least one row: empty calls launch nothing) and the launcher aligned its base to 16 bytes; the block shape (a
-    config's tiles) is checked once per element type. The base is ``t`` itself (the descriptor takes its address and dtype; the shape and
-    strides given are the 2-D view's). A Triton whose descriptor has other fields gets ``from_tensor``."""
+    config's tiles) is checked once per element type. The base is ``t`` itself (the descriptor takes its address and
+    dtype; the shape and strides given are the 2-D view's). A Triton whose descriptor has other fields gets ``from_tensor``."""
     if (block, t.dtype) not in _CHECKED_BLOCKS or \
             _DESCRIPTOR_FIELDS != ["base", "shape", "strides", "block_shape", "padding"]:
         d = TensorDescriptor.from_tensor(t.view(-1, K), list(block))  # Triton's own checks (once per box and dtype)
