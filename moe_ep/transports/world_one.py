@@ -49,7 +49,7 @@ class WorldOneLayouts:
         kind = result_type(config)
         self.dispatch = {LowLatencyExpertMajor: self._ll_expert_major, LowLatencyRankMajor: self._ll_rank_major,
                          HighThroughputFlat: self._ht_flat, HighThroughputExpertMajor: self._ht_expert_major}[kind]
-        self.combine = {LowLatencyExpertMajor: self._combine_weighted, LowLatencyRankMajor: self._combine_rank_major,
+        self.combine = {LowLatencyExpertMajor: self._combine_slots, LowLatencyRankMajor: self._combine_rank_major,
                         HighThroughputFlat: self._combine_flat, HighThroughputExpertMajor: self._combine_slots}[kind]
 
     def _kept(self, key, make, *args):
@@ -146,13 +146,14 @@ class WorldOneLayouts:
         route, (offsets, total) = self._route(idx, weights=w, index_dtype=torch.int64)
         payload = x if q is None else q
         tokens = with_row_parts(payload, [_gather(p, route) for p in row_parts(payload, broadcast_shared=True)])
-        self._state = route.slot
+        self._state = (route.slot, None)  # the slots' weights were applied in GEMM2
         return HighThroughputExpertMajor(tokens, expert_offsets=offsets, expert_counts=route.counts,
                                          topk_weights=route.slot_weight, num_recv=total)
 
     # ---- combine -------------------------------------------------------------------------------------------
-    def _combine_weighted(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """LL EXPERT_MAJOR: each token's picks summed back with their routing weights, in fp32."""
+    def _combine_slots(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """The EXPERT_MAJOR layouts: a token's slots summed back into its row in fp32, times their routing weights
+        (LL; HT's slots come weighted from GEMM2: no weights)."""
         slot, w = self._state
         out = torch.empty(slot.shape[0], self.H, dtype=torch.bfloat16, device=self.device)
         return _unpermute(expert_out, slot, w, out)
@@ -163,12 +164,6 @@ class WorldOneLayouts:
 
     def _combine_flat(self, expert_out: torch.Tensor) -> torch.Tensor:
         return expert_out
-
-    def _combine_slots(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """HT EXPERT_MAJOR: a token's slots (already weighted) summed back into its row, in fp32."""
-        slot = self._state
-        out = torch.empty(slot.shape[0], self.H, dtype=torch.bfloat16, device=self.device)
-        return _unpermute(expert_out, slot, None, out)
 
     def close(self) -> None:
         self._bufs.clear()
