@@ -150,6 +150,20 @@ def _accumulate_fp8(acc, xt, w_ptr, ws_ptr, xs_ptr, wrow, srow, n_blocks, x_rows
 
 
 @triton.jit
+def _fp8_scale(amax):
+    """``quantize_fp8``'s scale of a block from its amax: amax / 448 (IEEE division), 1.0 for an all-zero block."""
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
+def _fp8_bytes(v, s):
+    """``quantize_fp8``'s codes of v with scale s (broadcast to v): e4m3_rne(v / s), saturating, the division IEEE;
+    as bytes, the layout the codes are stored in."""
+    return tl.math.div_rn(v, tl.broadcast_to(s, v.shape)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def _store_fp8_rows(acc, out_ptr, os_ptr, xrow, rn, rmask, nmask, N, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """Store the tile quantized to FP8 per row per 128 columns, by ``quantize_fp8``'s rule (s = amax / 448, 1.0 for
@@ -161,12 +175,9 @@ def _store_fp8_rows(acc, out_ptr, os_ptr, xrow, rn, rmask, nmask, N, SWAP_AB: tl
         acc = tl.trans(acc)
     NB: tl.constexpr = BLOCK_N // 128
     v = tl.reshape(acc, [BLOCK_M, NB, 128])
-    amax = tl.max(tl.abs(v), axis=2)
-    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    s = tl.where(s > 0, s, 1.0)
-    q = tl.reshape(tl.math.div_rn(v, tl.broadcast_to(s[:, :, None], v.shape)), [BLOCK_M, BLOCK_N])
-    tl.store(out_ptr + xrow[:, None] * N + rn[None, :], q.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
-             mask=rmask[:, None] & nmask[None, :])
+    s = _fp8_scale(tl.max(tl.abs(v), axis=2))
+    q = tl.reshape(_fp8_bytes(v, s[:, :, None]), [BLOCK_M, BLOCK_N])
+    tl.store(out_ptr + xrow[:, None] * N + rn[None, :], q, mask=rmask[:, None] & nmask[None, :])
     n_blocks = tl.cdiv(N, 128)
     cb = tl.min(rn, axis=0) // 128 + tl.arange(0, NB)  # the tile's block columns
     tl.store(os_ptr + xrow[:, None] * n_blocks + cb[None, :], s, mask=rmask[:, None] & (cb < n_blocks)[None, :])
@@ -254,9 +265,9 @@ def _tma_fp8_swiglu_halves(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, os_ptr, rs_p
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """A 128-row FP8 SwiGLU TMA tile as two halves of BLOCK_N / 2 columns, one after the other (gate, up and a
     product of one half live at a time, then its SwiGLU result: the registers of a 64-row tile; x's tiles are read
-    twice, from L2), stored as bf16 or, with FP8_OUT, quantized by :func:`_store_fp8_rows`'s rule over the tile's
-    one 128-column block (the halves' amax together). Columns past N are zeroed first (they hold other weight
-    rows' sums)."""
+    twice, from L2), stored as bf16 or, with FP8_OUT, quantized (:func:`_fp8_scale`, :func:`_fp8_bytes`) over the
+    tile's one 128-column block (the halves' amax together). Columns past N are zeroed first (they hold other
+    weight rows' sums)."""
     HALF: tl.constexpr = BLOCK_N // 2
     rn0 = pid_n * BLOCK_N + tl.arange(0, HALF)
     rn1 = rn0 + HALF
@@ -275,13 +286,9 @@ def _tma_fp8_swiglu_halves(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, os_ptr, rs_p
     m0 = rmask[:, None] & (rn0 < N)[None, :]
     m1 = rmask[:, None] & (rn1 < N)[None, :]
     if FP8_OUT:
-        amax = tl.maximum(tl.max(tl.abs(h0), axis=1), tl.max(tl.abs(h1), axis=1))
-        s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        s = tl.where(s > 0, s, 1.0)
-        q0 = tl.math.div_rn(h0, tl.broadcast_to(s[:, None], h0.shape))
-        q1 = tl.math.div_rn(h1, tl.broadcast_to(s[:, None], h1.shape))
-        tl.store(out_ptr + xrow[:, None] * N + rn0[None, :], q0.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m0)
-        tl.store(out_ptr + xrow[:, None] * N + rn1[None, :], q1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m1)
+        s = _fp8_scale(tl.maximum(tl.max(tl.abs(h0), axis=1), tl.max(tl.abs(h1), axis=1)))
+        tl.store(out_ptr + xrow[:, None] * N + rn0[None, :], _fp8_bytes(h0, s[:, None]), mask=m0)
+        tl.store(out_ptr + xrow[:, None] * N + rn1[None, :], _fp8_bytes(h1, s[:, None]), mask=m1)
         tl.store(os_ptr + xrow * tl.cdiv(N, 128) + pid_n, s, mask=rmask)  # BLOCK_N 128: block column pid_n
     else:
         tl.store(out_ptr + xrow[:, None] * N + rn0[None, :], h0.to(out_ptr.dtype.element_ty), mask=m0)
