@@ -7,7 +7,16 @@ import importlib.util
 import pytest
 import torch
 
-from multirank import LAYOUTS, run_cases, spawn_and_check
+from multirank import LAYOUTS, matrix, run_cases, spawn_and_check
+
+
+def test_matrix_covers_every_layout_weight_format_and_activation_pair():
+    """The cases every world size runs (here and in tests/test_gpu_layer.py): each layout with each weight format,
+    and each (weight, activation) format pair the layer accepts somewhere."""
+    from moe_ep.config import ACTIVATION_FORMATS, Format
+    cases = matrix()
+    assert {(a, lay, wf) for a, lay, wf, _ in cases} == {(a, lay, f.value) for a, lay in LAYOUTS for f in Format}
+    assert {(wf, af) for *_, wf, af in cases} == {(w.value, x.value) for w, xs in ACTIVATION_FORMATS.items() for x in xs}
 
 
 def test_world_1_no_process_group():
