@@ -224,6 +224,21 @@ def test_fuzz_planted_mismatch_exits_nonzero_with_a_reproduction(tmp_path, monke
     assert "after 1 example" in capsys.readouterr().out
 
 
+def test_fuzz_reports_each_of_several_distinct_failures(tmp_path, monkeypatch, capsys):
+    # hypothesis raises an ExceptionGroup when it finds failures that differ (seen on a GPU): the report must say
+    # what each one is, not only that there were two
+    from moe_ep.kernels import bridge
+
+    def wrong(*a, **kw):
+        raise ExceptionGroup("two", [AssertionError("planted: relative error 1.0 > 0.01"), ValueError("planted 2")])
+
+    monkeypatch.setattr(bridge, "unpermute_reduce", wrong)
+    rc = main(["fuzz", "--targets", "unpermute_reduce", "--examples", "5", "--database", str(tmp_path / "db")])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "AssertionError: planted: relative error 1.0 > 0.01" in out and "ValueError: planted 2" in out
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(
     sys.executable), "torchrun")), reason="torchrun not installed")
 @pytest.mark.one_triton

@@ -115,9 +115,10 @@ def test_per_slice_global_scale(dev):
 
 def test_search_off_runs_the_first_config_untimed(dev, monkeypatch):
     from moe_ep import options
-    from moe_ep.kernels import nvfp4
+    from moe_ep.kernels import launch_cache, nvfp4
     kernel = nvfp4._quantize_kernel
     monkeypatch.setattr(kernel, "cache", {})  # every key new: a search would time configs and fill it
+    monkeypatch.setattr(launch_cache, "_KERNELS", {})  # (and on a GPU the launch cache must not answer first)
     x = torch.randn(5, 48 * 16)
     gs = nvfp4_global_scale(x.to(dev))
     with options.override(autotune="off"):

@@ -79,6 +79,13 @@ def _database(args) -> str:
                                          "moe-ep", "hypothesis")
 
 
+def _leaves(e: BaseException) -> list[BaseException]:
+    """The exceptions an ``ExceptionGroup`` holds, flattened (``[e]`` for any other exception)."""
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in _leaves(sub)]
+    return [e]
+
+
 def _repro_command(args, target: str, blob: str | None, db: str, sizes: str) -> str:
     cmd = ["moe-ep", "fuzz", "--targets", target, "--sizes", sizes, "--database", db]
     if blob:
@@ -147,10 +154,11 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
     except (Exception, AssertionError) as e:  # noqa: BLE001  (any exception in a kernel is a finding)
         if isinstance(e, HypothesisException) and not isinstance(e, AssertionError) and "Falsifying" not in "".join(lines):
             detail = f"{type(e).__name__}: {e}"
-        else:
-            detail = f"{type(e).__name__}: {str(e).strip()[:2000]}"
+        else:  # several distinct failures come as an ExceptionGroup: say what each one is, not just how many
+            detail = "; ".join(f"{type(x).__name__}: {str(x).strip()}" for x in _leaves(e))[:2000]
         # hypothesis attaches the falsifying example and the reproduce blob as exception notes (PEP 678)
-        text = "\n".join(str(x) for x in lines + list(getattr(e, "__notes__", [])))
+        notes = [n for x in [e, *_leaves(e)] for n in getattr(x, "__notes__", [])]
+        text = "\n".join(str(x) for x in lines + notes)
         m = re.search(r"@reproduce_failure\('([^']+)', b'([^']+)'\)", text)
         blob = f"{m.group(1)}:{m.group(2)}" if m else None
         return dict(target=name, status="FAILED", examples=done[0], seconds=time.perf_counter() - t0,
