@@ -9,6 +9,8 @@ intermediate to bf16, so 2e-2.
 
 import importlib
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -719,6 +721,27 @@ def test_tuned_file_bad_bucket_key(dev, tmp_path, bucket):
     with _tuned_file(tmp_path, {config_space.shape_class(32, 32, False, False): {bucket: _ODD}}), \
             pytest.raises(MoEEpConfigError, match=f"key {bucket!r}; allowed: a positive integer"):
         grouped_gemm(x, w, counts=torch.tensor([2], device=dev))
+
+
+H200_SMEM = 227 * 1024  # device_facts.smem_limit() on an H200 (sm_90): what its shipped file must fit
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(tuned_files.SHIPPED_DIR) if f.endswith(".json")))
+def test_shipped_tuned_files_hold_only_configs_their_shapes_can_run(name):
+    # every entry as the loader checks it: its shape class's flags parsed from the key (which must be one the
+    # kernels ask for), the FP8 rules for FP8 shapes, and the shared memory of the GPU the file is named after
+    table = tuned_files.load_config_file(os.path.join(tuned_files.SHIPPED_DIR, name))
+    assert table
+    pattern = re.compile(r"n(\d+)_k(\d+)_x(bf16|fp8)_w(bf16|nvfp4|fp8)(_swiglu)?(_outfp8)?")
+    for key, by_m in table.items():
+        m = pattern.fullmatch(key)
+        assert m, key
+        n, k, fp8, w_fp4, swiglu, fp8_out = int(m[1]), int(m[2]), m[3] == "fp8", m[4] == "nvfp4", bool(m[5]), bool(m[6])
+        assert config_space.shape_class(n, k, w_fp4, swiglu, fp8, fp8_out) == key
+        for bucket, cfg in by_m.items():
+            assert int(bucket) == config_space.m_bucket(int(bucket)), (key, bucket)
+            tuned_files.validate(cfg, f"{name}[{key}][{bucket}]", swiglu, w_fp4, H200_SMEM if "H200" in name else None,
+                                 fp8=fp8, fp8_out=fp8_out)
 
 
 def test_config_caches_stay_bounded():
