@@ -34,6 +34,11 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
+if sys.version_info >= (3, 11):
+    from builtins import BaseExceptionGroup
+else:  # hypothesis raises the backport's groups there (it depends on it)
+    from exceptiongroup import BaseExceptionGroup
+
 from .. import options
 from ..errors import MoEEpInputError
 from ..testing import strategies as S
