@@ -162,6 +162,40 @@ def test_fuzz_passes_on_the_real_kernels(tmp_path, monkeypatch):
         assert options.current() == before and options.current().autotune
 
 
+def test_fuzz_lists_the_gluon_target_and_reports_it_unavailable_where_it_cannot_run(tmp_path, capsys):
+    """Without an sm_90 GPU the Gluon NVFP4 GEMM cannot run: its target is listed, reported "unavailable" with the
+    reason (not "ok", not a failure), and the run (with a target that does run beside it) exits 0."""
+    from moe_ep.testing.properties import PROPERTIES
+    assert "gluon_nvfp4_grouped_gemm" in PROPERTIES
+    why = PROPERTIES["gluon_nvfp4_grouped_gemm"].unavailable()
+    if why is None:
+        pytest.skip("the Gluon kernel runs here (an sm_90 GPU): nothing is unavailable")
+    assert main(["fuzz", "--targets", "gluon_nvfp4_grouped_gemm,route", "--examples", "2",
+                 "--database", str(tmp_path / "db")]) == 0
+    out = capsys.readouterr().out
+    table = out[out.rindex("moe-ep fuzz"):]
+    row = next(ln for ln in table.splitlines() if "gluon_nvfp4_grouped_gemm" in ln)
+    assert "unavailable" in row and "sm_90" in row, table
+    assert "FAILED" not in table and "ok" in next(ln for ln in table.splitlines() if " route " in f" {ln} ")
+
+
+def test_fuzz_exits_nonzero_when_an_available_target_fails_beside_an_unavailable_one(tmp_path, monkeypatch):
+    """"unavailable" does not hide a failure of another target."""
+    from hypothesis import strategies as st
+
+    from moe_ep.commands import fuzz
+    from moe_ep.testing.properties import Property
+
+    def bad(case, dev):
+        raise AssertionError("planted")
+
+    monkeypatch.setattr(fuzz, "PROPERTIES", {
+        "gone": Property(lambda b: st.integers(0, 9), bad, lambda: "not on this device"),
+        "bad": Property(lambda b: st.integers(0, 9), bad)})
+    assert main(["fuzz", "--targets", "gone", "--examples", "2", "--database", str(tmp_path / "db")]) == 0
+    assert main(["fuzz", "--targets", "gone,bad", "--examples", "2", "--database", str(tmp_path / "db")]) == 1
+
+
 @pytest.mark.one_triton
 def test_fuzz_jobs_runs_targets_in_parallel_processes(tmp_path, capsys):
     assert main(["fuzz", "--targets", "quantize,route,permute", "--examples", "3", "--jobs", "2",

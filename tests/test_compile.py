@@ -189,3 +189,28 @@ def test_fp8_register_rule_matches_ptxas_spills():
     configs it keeps (GEMM1 and GEMM2 builds, pointer loads and TMA) spill at most a few registers, those it prunes
     spill their accumulators (benchmarks/fp8_registers.py prints the table)."""
     assert "within them" in _run(SPILL_SCRIPT)
+
+
+GLUON_SPILL_SCRIPT = r"""
+import moe_ep
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moe_ep.testing.compile_checks import TABLES, sm90_ptxas_log, sm90_ptxas_usage
+checks = TABLES["gluon_nvfp4"]()
+for fn, sig, const, opts in checks:
+    k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
+    regs, stores, loads = sm90_ptxas_usage(sm90_ptxas_log(k.asm["ptx"]))
+    warps = k.metadata.num_warps  # every partition's warps (the consumer's 4 and the producer's, padded)
+    # a thread's registers: the launch's maxnreg, else what 64K registers split over the CTA's threads allow
+    limit = min(opts.get("maxnreg") or 255, 255, 65536 // (32 * warps) // 8 * 8)
+    assert stores == loads == 0 and regs <= limit, (const, opts, warps, regs, limit, stores, loads)
+print(f"gluon registers: {len(checks)} variants within their register limits, no spills")
+"""
+
+
+def test_gluon_nvfp4_variants_build_for_sm90a_without_spills():
+    """Every Gluon NVFP4 GEMM variant of the compile table, built for sm_90a at its launch's warps and registers:
+    ptxas -v reports no spill bytes and at most the registers a thread may hold (maxnreg, or 64K over the CTA's
+    threads): a variant that spills its accumulators or decode registers would be slow on the H200, not wrong."""
+    assert "no spills" in _run(GLUON_SPILL_SCRIPT)

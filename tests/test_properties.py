@@ -7,6 +7,7 @@ import torch
 import moe_ep.layer
 from moe_ep import kernels
 from moe_ep.kernels import bridge, nvfp4
+from moe_ep.kernels.grouped_gemm import gluon_nvfp4
 from moe_ep.testing import properties as P
 from moe_ep.transports import torch_dist
 
@@ -103,5 +104,26 @@ def test_check_passes_on_the_kernel_and_fails_on_a_planted_fault(dev, monkeypatc
         check(case, dev)
 
 
+GLUON = dict(G=2, K=256, N=100, counts=[5, 3], pad=2, out_dtype="float32", hint=None, one_gs=False, scale=1.0,
+             zero_frac=0.0, fast_decode=True, launch=0, seed=6)
+GPU_FAULTS = [  # the same, for kernels that run only on a GPU of one kind (the Gluon one: sm_90)
+    (P.check_gluon_nvfp4_gemm, GLUON, gluon_nvfp4, "gluon_nvfp4_grouped_gemm", _bump_a_value, "relative error"),
+    (P.check_gluon_nvfp4_gemm, dict(GLUON, out_dtype="bfloat16", launch=6), gluon_nvfp4, "gluon_nvfp4_grouped_gemm",
+     _write_a_padding_row, "outside the experts' counts"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(P.gluon_nvfp4_unavailable()), reason=str(P.gluon_nvfp4_unavailable()))
+@pytest.mark.parametrize("check, case, where, name, fault, says", GPU_FAULTS,
+                         ids=[f"{c.__name__}-{f.__name__.strip('_')}" for c, _, _, _, f, _ in GPU_FAULTS])
+def test_gpu_check_passes_on_the_kernel_and_fails_on_a_planted_fault(dev, monkeypatch, check, case, where, name,
+                                                                      fault, says):
+    check(case, dev)
+    monkeypatch.setattr(where, name, fault(getattr(where, name)))
+    with pytest.raises(AssertionError, match=says):
+        check(case, dev)
+
+
 def test_every_property_has_a_planted_fault():
-    assert {c for c, *_ in FAULTS} == {p.check for p in P.PROPERTIES.values()}
+    assert {c for c, *_ in FAULTS + GPU_FAULTS} == {p.check for p in P.PROPERTIES.values()}

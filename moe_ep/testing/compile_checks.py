@@ -187,13 +187,7 @@ def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
     config (a ``triton.Config``, pointer loads or TMA) built for sm_90a as a launch builds it (aligned pointers, the
     config's warps and stages), as GEMM1 (swiglu: SwiGLU with an FP8 output) or GEMM2 (row scale). Needs the
     interpreter off."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
     import triton
-    import triton.backends.nvidia.compiler as nvidia_compiler
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -208,16 +202,35 @@ def fp8_gemm_registers(cfg, swiglu: bool) -> tuple[int, int, int]:
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in FP8_ALIGNED}
     k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    ptxas = nvidia_compiler.get_ptxas(90).path  # the ptxas Triton builds sm_90 with (3.9: not bin/ptxas)
+    return sm90_ptxas_usage(sm90_ptxas_log(k.asm["ptx"]))
+
+
+def sm90_ptxas_log(ptx: str) -> str:
+    """What ``ptxas -v --gpu-name sm_90a`` says of a PTX text (stdout and stderr; raises if it fails), with the ptxas
+    Triton builds sm_90 with (3.9: not bin/ptxas)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia.compiler as nvidia_compiler
+    ptxas = nvidia_compiler.get_ptxas(90).path
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.ptx"), "w") as f:
-            f.write(k.asm["ptx"])
+            f.write(ptx)
         r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", os.path.join(d, "k.ptx"), "-o",
                             os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True)
-    log = r.stdout + r.stderr
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
-    return regs, stores, loads
+    return r.stdout + r.stderr
+
+
+def sm90_ptxas_usage(log: str) -> tuple[int, int, int]:
+    """(registers per thread, spill store bytes, spill load bytes) of the one kernel a :func:`sm90_ptxas_log` is
+    of (a log without those lines raises ``ValueError``)."""
+    import re
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if len(regs) != 1 or len(spills) != 1:
+        raise ValueError(f"not the ptxas -v log of one kernel: {log!r}")
+    return int(regs[0]), int(spills[0][0]), int(spills[0][1])
 
 
 def fp8_prefill_configs(swiglu: bool) -> list:

@@ -31,6 +31,10 @@ rounded to e4m3 once (3 mantissa bits: 2^-4 relative per element at worst, about
 REDUCE_TOL = 1e-5
 """The weighted unpermute-reduce in fp32: only the order of the fp32 multiply-adds differs."""
 
+GLUON_FP32_TOL = 1e-4
+"""The Gluon NVFP4 GEMM with fp32 output: the reference's function up to fp32 summation order and the global scale
+applied to the sum rather than to each weight."""
+
 LAYER_TOL = MLP_TOL
 """The layer with bf16 activations against the dense MoE on the same weights: the expert MLP's bound."""
 
@@ -230,6 +234,48 @@ def check_expert_mlp(c: dict, dev) -> None:
     assert torch.isnan(out[~valid].float()).all(), "expert_mlp wrote rows outside the experts' counts"
 
 
+def check_gluon_nvfp4_gemm(c: dict, dev) -> None:
+    """The Gluon NVFP4-weight grouped GEMM (sm_90a) of a :func:`~.strategies.gluon_nvfp4_cases` case, at the case's
+    decode and launch (``LAUNCH_SWEEP``), into a NaN-poisoned output: within :data:`GEMM_TOL` (bf16 output) or
+    :data:`GLUON_FP32_TOL` (fp32 output) of the fp32 reference on the dequantized weights, and within the same bound
+    of the ``tl`` kernel (``grouped_gemm``, the dispatcher's path for these operands); rows of no expert left
+    unwritten."""
+    from ..kernels import grouped_gemm, nvfp4
+    from ..kernels.grouped_gemm import gluon_nvfp4
+    from ..reference import dequantize_nvfp4_ref, grouped_gemm_ref
+    gen = torch.Generator().manual_seed(c["seed"])
+    offs = [0]
+    for n in c["counts"]:
+        offs.append(offs[-1] + n)
+    rows = offs[-1] + c["pad"]
+    x = S.scaled_values((rows, c["K"]), c["scale"], c["zero_frac"], gen).to(dev)
+    w = S.scaled_values((c["G"], c["N"], c["K"]), 0.5, c["zero_frac"], gen).to(dev)
+    w = nvfp4.quantize_nvfp4(w, None if c["one_gs"] else nvfp4.nvfp4_global_scale(w, per_slice=True))
+    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+    valid = torch.arange(rows) < offs[-1]
+    out_dtype = getattr(torch, c["out_dtype"])
+    stages, maxnreg, overlap = gluon_nvfp4.LAUNCH_SWEEP[c["launch"]]
+    out = torch.full((rows, c["N"]), float("nan"), dtype=out_dtype, device=dev)
+    got = gluon_nvfp4.gluon_nvfp4_grouped_gemm(x, w, offsets, out_dtype=out_dtype, tokens_per_expert=c["hint"],
+                                               out=out, fast_decode=c["fast_decode"], stages=stages,
+                                               maxnreg=maxnreg, overlap=overlap)
+    assert got is out, "gluon_nvfp4_grouped_gemm did not return its out= tensor"
+    tol = GLUON_FP32_TOL if out_dtype == torch.float32 else GEMM_TOL
+    ref = grouped_gemm_ref(x.float().cpu(), dequantize_nvfp4_ref(w.data.cpu(), w.scales.cpu(),
+                                                                  w.global_scale.cpu()), offsets=offsets.cpu())
+    out = out.cpu()
+    assert_rel_close(out, ref, valid, tol, "gluon_nvfp4_grouped_gemm")
+    tl_out = grouped_gemm(x, w, offsets=offsets).cpu()
+    assert_rel_close(out, tl_out, valid, GEMM_TOL, "gluon_nvfp4_grouped_gemm against the tl kernel")
+    assert torch.isnan(out[~valid].float()).all(), "gluon_nvfp4_grouped_gemm wrote rows outside the experts' counts"
+
+
+def gluon_nvfp4_unavailable() -> str | None:
+    """Why the Gluon kernel cannot run here (it needs an sm_90 GPU), or None."""
+    from ..kernels.grouped_gemm import gluon_nvfp4
+    return gluon_nvfp4.unavailable_reason()
+
+
 # --- bridge ------------------------------------------------------------------------------------------------
 
 
@@ -354,10 +400,12 @@ def check_dispatch_fp8(c: dict, dev) -> None:
 
 
 class Property(NamedTuple):
-    """A target: the strategy of its cases for given :class:`~.strategies.Bounds`, and its check."""
+    """A target: the strategy of its cases for given :class:`~.strategies.Bounds`, its check, and (for a kernel
+    that runs only on some devices) ``unavailable()``: why it cannot run here, or None where it can."""
 
     cases: Callable
     check: Callable[[dict, torch.device], object]
+    unavailable: Callable[[], str | None] = lambda: None
 
 
 PROPERTIES = {
@@ -375,4 +423,5 @@ PROPERTIES = {
     "layer": Property(S.layer_cases, check_layer),
     "layer_batch_invariance": Property(S.layer_cases, check_layer_batch_invariance),
     "dispatch_fp8": Property(S.layer_cases, check_dispatch_fp8),
+    "gluon_nvfp4_grouped_gemm": Property(S.gluon_nvfp4_cases, check_gluon_nvfp4_gemm, gluon_nvfp4_unavailable),
 }

@@ -244,6 +244,18 @@ def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N,
         mbarrier.invalidate(empty.index(j))
 
 
+def unavailable_reason() -> str | None:
+    """Why :func:`gluon_nvfp4_grouped_gemm` cannot run here (no CUDA device, the interpreter, or a GPU that is not
+    sm_90), or None where it can."""
+    from ...triton_runtime import INTERPRETER
+    if INTERPRETER or not torch.cuda.is_available():
+        return "needs an sm_90 GPU (Hopper: wgmma, TMA); none here"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"needs an sm_90 GPU (Hopper: wgmma, TMA); this one is sm_{cap[0]}{cap[1]}"
+    return None
+
+
 def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                       stages: int | None = None, maxnreg: int | None = None, overlap: bool = False,
                       tokens_per_expert: int | None = None) -> None:
@@ -347,4 +359,4 @@ def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True,
             dict(num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
-__all__ = ["gluon_nvfp4_grouped_gemm", "check_gluon_nvfp4", "token_tile", "K_MULTIPLE"]
+__all__ = ["gluon_nvfp4_grouped_gemm", "check_gluon_nvfp4", "unavailable_reason", "token_tile", "K_MULTIPLE"]
