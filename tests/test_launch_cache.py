@@ -98,6 +98,7 @@ class _Tagged(launch_cache.CompiledKernel):
         want = self.expected[0]
         assert len(values) == len(want) and all(a is b or (type(a) is type(b) and a == b) for a, b in
                                                 zip(values, want)), "launched with other values than the call's"
+        assert self.expected[2] in (None, gx), "launched on another grid than the call's"
         self.expected[1] += 1
 
 
@@ -105,7 +106,7 @@ class _StandInTriton:
     """The launch cache with the interpreter taken as off and Triton's launch stood in for (above)."""
 
     def __init__(self, monkeypatch):
-        self.expected = [None, 0]  # the call's full values; kept-kernel launches seen
+        self.expected = [None, 0, None]  # the call's full values; kept-kernel launches seen; the grid's x (None: any)
         self.through = 0
         monkeypatch.setattr(launch_cache, "INTERPRETER", False)
         monkeypatch.setattr(launch_cache, "_driver", lambda: self)
@@ -133,8 +134,8 @@ class _StandInTriton:
         values = tuple(full.get(n) for n in info.names)
         return config, _Tagged(_triton_view(values, len(args)), len(args), self.expected)
 
-    def call(self, kernel, grid, args, kwargs, full_values):
-        self.expected[0] = full_values
+    def call(self, kernel, grid, args, kwargs, full_values, gx=None):
+        self.expected[0], self.expected[2] = full_values, gx
         return launch_cache.launch(kernel, grid, *args, **kwargs)
 
 
@@ -146,6 +147,8 @@ def _many_kernel(t, i, f, b, n, BLOCK: tl.constexpr, FLAG: tl.constexpr):
 _heuristic_many = triton.heuristics({"FLAG": lambda a: a["i"] % 3 == 0})(_many_kernel)
 _autotuned_many = triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
                                   key=["i"])(_heuristic_many)
+_autotuned_plain = triton.autotune(configs=[triton.Config({"BLOCK": 16, "FLAG": False}),
+                                           triton.Config({"BLOCK": 32, "FLAG": True})], key=["i"])(_many_kernel)
 
 _BASE = torch.zeros(256)
 _TENSORS = [_BASE, _BASE[1:], _BASE[4:], _BASE.half(), _BASE.int(), _BASE.bfloat16()[8:]]
@@ -160,7 +163,7 @@ def _calls():
     return out
 
 
-@pytest.mark.parametrize("kernel", ["plain", "heuristics", "autotuned"])
+@pytest.mark.parametrize("kernel", ["plain", "heuristics", "autotuned", "autotuned-plain"])
 def test_kept_kernels_launch_only_for_their_specialization(monkeypatch, kernel):
     """Many calls in an order that alternates between keys, each with the arguments Triton would bind: a kept
     kernel launched for a call of another specialization, or with another call's values, fails in its run."""
@@ -174,6 +177,11 @@ def test_kept_kernels_launch_only_for_their_specialization(monkeypatch, kernel):
                                  (*args, block, flag))
             elif kernel == "heuristics":
                 triton_.call(_heuristic_many, (1,), args, dict(BLOCK=16), (*args, 16, args[1] % 3 == 0))
+            elif kernel == "autotuned-plain":  # no heuristics: the config's values alone, tuple grids too
+                pick = hash((args[1],)) % 2
+                for grid, gx in (((1,), 1), (lambda meta: (meta["BLOCK"],), (16, 32)[pick])):
+                    config = triton_.call(_autotuned_plain, grid, args, {}, (*args, (16, 32)[pick], bool(pick)), gx)
+                    assert config.kwargs["BLOCK"] == (16, 32)[pick]
             else:
                 i = args[1]
                 block = (16, 32)[hash((i,)) % 2]
