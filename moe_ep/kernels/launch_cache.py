@@ -117,15 +117,6 @@ def _kernel(kernel) -> _Kernel:
     return info
 
 
-def _hooks_installed(info: _Kernel) -> bool:
-    """Whether anything watches launches (a profiler's launch hooks, a JIT pre-run hook): then Triton launches."""
-    rt = triton.knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and (not isinstance(hook, HookChain) or hook.calls):
-            return True
-    return getattr(rt, "add_stages_inspection_hook", None) is not None or bool(info.jit.pre_run_hooks)
-
-
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, the first call of a key through Triton and later ones directly (module
     doc). Returns the ``triton.Config`` the autotuner picked for this call (None when ``kernel`` is not autotuned)."""
@@ -138,7 +129,13 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     info = _KERNELS.get(id(kernel))
     if info is None or info.kernel is not kernel:
         info = _kernel(kernel)
-    if INTERPRETER or _hooks_installed(info):
+    rt = triton.knobs.runtime
+    enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+    # anything watching launches (a profiler's launch hooks, a JIT pre-run hook): Triton launches (written out here,
+    # not as a function: this runs on every launch)
+    if INTERPRETER or (enter is not None and (type(enter) is not HookChain or enter.calls)) or \
+            (exit_ is not None and (type(exit_) is not HookChain or exit_.calls)) or info.jit.pre_run_hooks or \
+            getattr(rt, "add_stages_inspection_hook", None) is not None:
         return _through_triton(info, kernel, grid, args, kwargs)[0]
     types = tuple(map(type, args))
     key_of = info.key_functions.get(types)
