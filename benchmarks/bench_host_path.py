@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, fused_moe
 from moe_ep.commands.timing import time_host
 from moe_ep.kernels import launch_cache
-from triton.compiler import CompiledKernel
+from moe_ep.testing.stand_in_triton import StandInCompiled, stand_in_triton
 
 CASES = (("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major"), "fused_moe")
 _ENTRY_POINTS = ("forward", "fused_moe")  # the frames the call depth is counted from
@@ -80,38 +80,19 @@ class _Launches:
         self.own_s += time.thread_time() - t0
 
 
-class _StandInCompiled(CompiledKernel):
-    """What the launch cache keeps for a kernel in the ``+launch`` measurement: ``run`` is the stand-in's no-op
-    launch (Triton's ``CompiledKernel.run`` is the C launcher's call)."""
-
-    def __init__(self, launches: _Launches):  # (none of CompiledKernel's own state: nothing is loaded)
-        self.launches, self.function, self.packed_metadata = launches, None, None
-
-    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *values):
-        self.launches.pause()
-        self.launches.launched(values, 3)
-
-
-class _StandInDriver:
-    """Triton's active driver as the launch cache asks it: device 0, stream 0."""
-
-    @staticmethod
-    def get_current_device():
-        return 0
-
-    @staticmethod
-    def get_current_stream(device):
-        return 0
-
-
 class _LaunchPath:
-    """The launch cache as it is, on a stand-in Triton (module doc): while entered, the launch cache sees no
-    interpreter, the stand-in driver, and its calls through Triton return a :class:`_StandInCompiled` (the
-    autotuner's first config for an autotuned kernel); its kept kernels are put back on exit."""
+    """The launch cache as it is, on a stand-in Triton (module doc; ``moe_ep.testing.stand_in_triton``): while
+    entered, its calls through Triton return a :class:`StandInCompiled` (the autotuner's first config for an
+    autotuned kernel) whose launches are recorded; its kept kernels are put back on exit."""
 
     def __init__(self, launches: _Launches):
-        self.compiled = _StandInCompiled(launches)
+        self.compiled = StandInCompiled(self.run)
         self.launches = launches
+        self.stand_in = stand_in_triton(self.through_triton)
+
+    def run(self, gx, values):
+        self.launches.pause()
+        self.launches.launched(values, 4)  # through StandInCompiled.run, from launch_kept
 
     def through_triton(self, info, kernel, grid, args, kwargs):
         self.launches.pause()
@@ -119,17 +100,11 @@ class _LaunchPath:
         return (kernel.configs[0] if info.autotuner is not None else None), self.compiled
 
     def __enter__(self):
-        self.saved = (launch_cache.INTERPRETER, launch_cache._driver, launch_cache._through_triton,
-                      dict(launch_cache._KERNELS))
-        launch_cache._KERNELS.clear()
-        launch_cache.INTERPRETER, launch_cache._driver = False, lambda: _StandInDriver
-        launch_cache._through_triton = self.through_triton
+        self.stand_in.__enter__()
         return self
 
     def __exit__(self, *exc):
-        launch_cache.INTERPRETER, launch_cache._driver, launch_cache._through_triton, kept = self.saved
-        launch_cache._KERNELS.clear()
-        launch_cache._KERNELS.update(kept)
+        return self.stand_in.__exit__(*exc)
 
 
 class _Calls:

@@ -89,8 +89,10 @@ def test_presets_match_the_models():
 def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch, capsys):
     from moe_ep import device_facts, options
     from moe_ep.kernels import grouped_gemm
+    from moe_ep.kernels.grouped_gemm import tuned_files
     from moe_ep.kernels.grouped_gemm.config_space import config_dict, grouped_gemm_configs, shape_class
     with options.override(config_dir=str(tmp_path)):  # the folder the tune run writes and the kernels read
+        assert tuned_files.file_versions() == ()  # a stat before the run (kept for RESTAT_S): tune drops it
         rc = main(["tune", *TINY, "--gemms", "gemm1", "--formats", "bf16", "--buckets", "64",
                    "--report", str(tmp_path / "report.json")])
         assert rc == 0
@@ -114,6 +116,7 @@ def test_tune_writes_configs_the_kernels_load_and_resumes(tmp_path, monkeypatch,
         table[key]["64"] = config_dict(other)
         path.write_text(json.dumps(table))
         os.utime(path, (1, 1))  # a different mtime (the loader caches per mtime)
+        tuned_files.invalidate()  # (a hand edit is seen within tuned_files.RESTAT_S; at once after this)
         assert run_kernel().config == config_dict(other)
         # resumable: a rerun skips the shape already in the file
         capsys.readouterr()

@@ -264,6 +264,7 @@ def test_tuned_file_bf16_config_is_not_used_for_fp8(dev, tmp_path):
             plan = plan_grouped_gemm(xq, wq, counts=cnt, swiglu=True, quantize_out=True)
         assert plan.config_source == source
     path.write_text(json.dumps({config_space.shape_class(N, K, False, True, True, True): {"8": dict(odd, BLOCK_N=64)}}))
+    gemm_plan.clear_cache()
     with options.override(config_dir=str(tmp_path)), pytest.raises(MoEEpConfigError, match="BLOCK_N = 64"):
         grouped_gemm(xq, wq, counts=cnt, swiglu=True, quantize_out=True)
 

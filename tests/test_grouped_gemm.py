@@ -486,6 +486,28 @@ def test_tuned_config_file_overrides_autotune(dev, tmp_path):
         assert plan.config_source == "autotune"
 
 
+def test_tuned_file_stat_is_kept_briefly_and_dropped_by_invalidate(tmp_path, monkeypatch):
+    """The tuned files are stat'ed at most every RESTAT_S per options (a forward asks on every call): a file written
+    meanwhile is seen after RESTAT_S, or at once after ``invalidate`` (what ``moe-ep tune`` calls after a write)."""
+    now = [1000.0]
+    monkeypatch.setattr(tuned_files.time, "monotonic", lambda: now[0])
+    path = tmp_path / f"{device_facts.device_name()}.json"
+    with options.override(config_dir=str(tmp_path)):
+        before = tuned_files.file_versions()
+        assert str(path) not in dict(before)
+        path.write_text("{}")
+        assert tuned_files.file_versions() == before  # within RESTAT_S: the kept stat
+        tuned_files.invalidate()
+        seen = dict(tuned_files.file_versions())
+        assert seen[str(path)] == path.stat().st_mtime
+        path.unlink()
+        now[0] += tuned_files.RESTAT_S
+        assert str(path) not in dict(tuned_files.file_versions())  # past RESTAT_S: stat'ed again
+    with options.override(config_dir=str(tmp_path)):  # other options: stat'ed for them
+        path.write_text("{}")
+        assert str(path) in dict(tuned_files.file_versions())
+
+
 def test_search_off_launches_the_first_suitable_config_untimed(dev, tmp_path):
     G, K, N = 2, 64, 32
     x = torch.randn(5, K).bfloat16().to(dev)

@@ -9,6 +9,7 @@ from triton.backends.compiler import BaseBackend
 from triton._C.libtriton import native_specialize_impl
 
 from moe_ep.kernels import launch_cache
+from moe_ep.testing.stand_in_triton import StandInCompiled, stand_in_triton
 from moe_ep.triton_runtime import device as kernel_device
 
 INTS = [0, 1, 2, 15, 16, 17, 32, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 32, 2 ** 32 + 16, 2 ** 63 - 1, 2 ** 63, -1,
@@ -88,9 +89,10 @@ def _triton_view(values, n_runtime):
             tuple((type(v), v) for v in values[n_runtime:]))
 
 
-class _Tagged(launch_cache.CompiledKernel):
+class _Tagged(StandInCompiled):
     def __init__(self, tag, n_runtime, expected):
-        self.tag, self.n_runtime, self.expected, self.function, self.packed_metadata = tag, n_runtime, expected, 1, 2
+        super().__init__(None, 1, 2)
+        self.tag, self.n_runtime, self.expected = tag, n_runtime, expected
 
     def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_hook, *values):
         assert (function, metadata) == (1, 2)
@@ -98,27 +100,24 @@ class _Tagged(launch_cache.CompiledKernel):
         want = self.expected[0]
         assert len(values) == len(want) and all(a is b or (type(a) is type(b) and a == b) for a, b in
                                                 zip(values, want)), "launched with other values than the call's"
+        assert self.expected[2] in (None, gx), "launched on another grid than the call's"
         self.expected[1] += 1
 
 
 class _StandInTriton:
-    """The launch cache with the interpreter taken as off and Triton's launch stood in for (above)."""
+    """The launch cache with the interpreter taken as off and Triton's launch stood in for (above), while entered."""
 
-    def __init__(self, monkeypatch):
-        self.expected = [None, 0]  # the call's full values; kept-kernel launches seen
+    def __init__(self):
+        self.expected = [None, 0, None]  # the call's full values; kept-kernel launches seen; the grid's x (None: any)
         self.through = 0
-        monkeypatch.setattr(launch_cache, "INTERPRETER", False)
-        monkeypatch.setattr(launch_cache, "_driver", lambda: self)
-        monkeypatch.setattr(launch_cache, "_through_triton", self._through_triton)
-        monkeypatch.setattr(launch_cache, "_KERNELS", {})
+        self._stand_in = stand_in_triton(self._through_triton)
 
-    @staticmethod
-    def get_current_device():
-        return 0
+    def __enter__(self):
+        self._stand_in.__enter__()
+        return self
 
-    @staticmethod
-    def get_current_stream(device):
-        return 0
+    def __exit__(self, *exc):
+        return self._stand_in.__exit__(*exc)
 
     def _through_triton(self, info, kernel, grid, args, kwargs):
         self.through += 1
@@ -133,9 +132,15 @@ class _StandInTriton:
         values = tuple(full.get(n) for n in info.names)
         return config, _Tagged(_triton_view(values, len(args)), len(args), self.expected)
 
-    def call(self, kernel, grid, args, kwargs, full_values):
-        self.expected[0] = full_values
+    def call(self, kernel, grid, args, kwargs, full_values, gx=None):
+        self.expected[0], self.expected[2] = full_values, gx
         return launch_cache.launch(kernel, grid, *args, **kwargs)
+
+
+@pytest.fixture
+def triton_():
+    with _StandInTriton() as stand_in:
+        yield stand_in
 
 
 @triton.jit
@@ -146,6 +151,8 @@ def _many_kernel(t, i, f, b, n, BLOCK: tl.constexpr, FLAG: tl.constexpr):
 _heuristic_many = triton.heuristics({"FLAG": lambda a: a["i"] % 3 == 0})(_many_kernel)
 _autotuned_many = triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
                                   key=["i"])(_heuristic_many)
+_autotuned_plain = triton.autotune(configs=[triton.Config({"BLOCK": 16, "FLAG": False}),
+                                           triton.Config({"BLOCK": 32, "FLAG": True})], key=["i"])(_many_kernel)
 
 _BASE = torch.zeros(256)
 _TENSORS = [_BASE, _BASE[1:], _BASE[4:], _BASE.half(), _BASE.int(), _BASE.bfloat16()[8:]]
@@ -160,11 +167,10 @@ def _calls():
     return out
 
 
-@pytest.mark.parametrize("kernel", ["plain", "heuristics", "autotuned"])
-def test_kept_kernels_launch_only_for_their_specialization(monkeypatch, kernel):
+@pytest.mark.parametrize("kernel", ["plain", "heuristics", "autotuned", "autotuned-plain"])
+def test_kept_kernels_launch_only_for_their_specialization(triton_, kernel):
     """Many calls in an order that alternates between keys, each with the arguments Triton would bind: a kept
     kernel launched for a call of another specialization, or with another call's values, fails in its run."""
-    triton_ = _StandInTriton(monkeypatch)
     for _ in range(2):
         for args in _calls():
             if kernel == "plain":
@@ -174,6 +180,11 @@ def test_kept_kernels_launch_only_for_their_specialization(monkeypatch, kernel):
                                  (*args, block, flag))
             elif kernel == "heuristics":
                 triton_.call(_heuristic_many, (1,), args, dict(BLOCK=16), (*args, 16, args[1] % 3 == 0))
+            elif kernel == "autotuned-plain":  # no heuristics: the config's values alone, tuple grids too
+                pick = hash((args[1],)) % 2
+                for grid, gx in (((1,), 1), (lambda meta: (meta["BLOCK"],), (16, 32)[pick])):
+                    config = triton_.call(_autotuned_plain, grid, args, {}, (*args, (16, 32)[pick], bool(pick)), gx)
+                    assert config.kwargs["BLOCK"] == (16, 32)[pick]
             else:
                 i = args[1]
                 block = (16, 32)[hash((i,)) % 2]
@@ -188,22 +199,20 @@ def _default_kernel(t, n, BLOCK: tl.constexpr = 16):
     pass
 
 
-def test_unknown_types_and_defaults_go_through_triton(monkeypatch):
-    triton_ = _StandInTriton(monkeypatch)
+def test_unknown_types_and_defaults_go_through_triton(triton_):
     for _ in range(3):
         triton_.call(_many_kernel, (1,), (_BASE, 1, 0.5, True, object()), dict(BLOCK=16, FLAG=True), None)
         triton_.call(_default_kernel, (1,), (_BASE, 1), {}, None)
     assert triton_.through == 6 and triton_.expected[1] == 0
 
 
-def test_grouped_gemm_launches_with_their_own_keyword_arguments(monkeypatch):
+def test_grouped_gemm_launches_with_their_own_keyword_arguments(triton_, monkeypatch):
     """The grouped GEMM launches the bare kernel with keyword arguments it keeps per plan (``launch_kept``): across
     calls that alternate between layouts, epilogues and chain roles, each kept launch runs with the call's own
     arguments and constexprs (as Triton would bind them) and a kernel specialized on them."""
     from moe_ep import options
     from moe_ep.kernels import expert_mlp, grouped_gemm
 
-    triton_ = _StandInTriton(monkeypatch)
     real = launch_cache.launch_kept
 
     def checked(kernel, grid, args, kwargs, items):

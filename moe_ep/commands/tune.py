@@ -175,6 +175,7 @@ def run(args) -> int:
                 table = tuned_files.load_config_file(path)
                 table.setdefault(key, {})[str(s["bucket"])] = r["best"]
                 write_json(path, table)
+                tuned_files.invalidate()  # the kernels of this process take the new config at once
             best = r["best"]
             rows.append([s["preset"], key, s["bucket"],
                          "none ran: " + next((t["error"] for t in r["timings"] if "error" in t), "") if best is None else

@@ -18,8 +18,8 @@ its default, every call goes through Triton.
 The key is computed by a function generated once per kernel and per tuple of argument types (as Triton generates
 its binder): one call with the specialization of every argument written out inline, instead of one call per
 argument. What a kept kernel is launched with past the positional arguments (keyword arguments, the autotuner's
-config, the heuristics' values) is fixed by the key and kept with it, so a launch of a plain ``triton.jit`` kernel
-with a tuple grid builds no argument dict at all.
+config, the heuristics' values) is fixed by the key and kept with it (the config's keyword arguments too), so a
+launch of a kernel without heuristics and with a tuple grid builds no argument dict and evaluates nothing.
 """
 
 from __future__ import annotations
@@ -79,16 +79,18 @@ def _spec(a):
 
 
 class _Entry:
-    __slots__ = ("config", "compiled")
+    __slots__ = ("config", "config_kwargs", "pre_hook", "compiled")
 
     def __init__(self, config):
         self.config = config  # the autotuner's pick for this key (None: not autotuned)
+        self.config_kwargs = config.all_kwargs() if config is not None else None  # (made once, not per launch)
+        self.pre_hook = config.pre_hook if config is not None else None
         self.compiled = {}    # heuristic values -> (C launcher, function, packed metadata, values past the args)
 
 
 class _Kernel:
     """How a (possibly autotuned, possibly heuristics-wrapped) kernel unwraps, and its cache."""
-    __slots__ = ("kernel", "autotuner", "heuristics", "jit", "names", "tune_keys", "tune_positions", "plain",
+    __slots__ = ("kernel", "autotuner", "heuristics", "jit", "names", "tune_keys", "tune_positions",
                  "entries", "key_functions")
 
     def __init__(self, kernel):
@@ -101,7 +103,6 @@ class _Kernel:
         # the autotuner's key arguments, with their positions (its pick depends on their values)
         self.tune_keys = tuple((k, self.names.index(k)) for k in (self.autotuner.keys if self.autotuner else ()))
         self.tune_positions = tuple(i for _, i in self.tune_keys)
-        self.plain = self.autotuner is None and self.heuristics is None  # a bare triton.jit kernel
         self.entries = {}
         self.key_functions = {}  # argument types -> key function (_key_function)
 
@@ -116,15 +117,6 @@ def _kernel(kernel) -> _Kernel:
     return info
 
 
-def _hooks_installed(info: _Kernel) -> bool:
-    """Whether anything watches launches (a profiler's launch hooks, a JIT pre-run hook): then Triton launches."""
-    rt = triton.knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and (not isinstance(hook, HookChain) or hook.calls):
-            return True
-    return getattr(rt, "add_stages_inspection_hook", None) is not None or bool(info.jit.pre_run_hooks)
-
-
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, the first call of a key through Triton and later ones directly (module
     doc). Returns the ``triton.Config`` the autotuner picked for this call (None when ``kernel`` is not autotuned)."""
@@ -137,7 +129,13 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     info = _KERNELS.get(id(kernel))
     if info is None or info.kernel is not kernel:
         info = _kernel(kernel)
-    if INTERPRETER or _hooks_installed(info):
+    rt = triton.knobs.runtime
+    enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+    # anything watching launches (a profiler's launch hooks, a JIT pre-run hook): Triton launches (written out here,
+    # not as a function: this runs on every launch)
+    if INTERPRETER or (enter is not None and (type(enter) is not HookChain or enter.calls)) or \
+            (exit_ is not None and (type(exit_) is not HookChain or exit_.calls)) or info.jit.pre_run_hooks or \
+            getattr(rt, "add_stages_inspection_hook", None) is not None:
         return _through_triton(info, kernel, grid, args, kwargs)[0]
     types = tuple(map(type, args))
     key_of = info.key_functions.get(types)
@@ -157,21 +155,26 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     if entry is None:
         return _first_call(info, kernel, grid, args, kwargs, key)
     config = entry.config
-    if info.plain and not callable(grid):  # no argument dict to build: the kept values past the args are these
+    full = None
+    if info.heuristics is None:  # no heuristic to evaluate: one variant per key
         kept = entry.compiled.get(())
         if kept is None:
             return _first_call(info, kernel, grid, args, kwargs, key)
-        full = None
+        if callable(grid) or entry.pre_hook is not None:  # (else no argument dict to build)
+            full = dict(zip(info.names, args))
+            full.update(kwargs)
+            if config is not None:
+                full.update(entry.config_kwargs)
     else:
         full = dict(zip(info.names, args))
         full.update(kwargs)
         if config is not None:
-            full.update(config.all_kwargs())
+            full.update(entry.config_kwargs)
         kept = entry.compiled.get(_heuristic_values(info, full))
         if kept is None:  # a heuristic came out another way: Triton compiles that variant
             return _first_call(info, kernel, grid, args, kwargs, key)
-        if config is not None and config.pre_hook is not None:
-            config.pre_hook(full)
+    if entry.pre_hook is not None:
+        entry.pre_hook(full)
     run, function, metadata, tail = kept
     g = grid(full) if callable(grid) else grid
     n = len(g)

@@ -7,8 +7,8 @@ bounds them):
 * LL EXPERT_MAJOR: one route launch gives each pick its padded row ``e * T + j`` (``route_experts(padded_rows=T)``),
   one scatter launch writes the token rows there; combine is one weighted unpermute-reduce over those rows.
 * LL RANK_MAJOR: the tokens, ids (int32) and weights (fp32) as ``[1, T, ...]`` (the contract's T is
-  ``max_tokens_per_rank``): the caller's tensors when the batch is T tokens, else copied into buffers; combine is a
-  view of the compute's rows.
+  ``max_tokens_per_rank``): the caller's tensors when the batch is T tokens, else copied into kept buffers (through
+  views kept per batch size); combine is a view of the compute's rows.
 * HT FLAT: the caller's tensors as they are (S = B received rows; int32 ids widened, weights made fp32).
 * HT EXPERT_MAJOR: one route (its counts and offsets written as int64, each slot's weight written by the same
   launch) and one gather; combine is one unpermute-reduce.
@@ -62,10 +62,6 @@ class WorldOneLayouts:
                 self._bufs[key] = t
         return t
 
-    def _buf(self, name, shape, dtype) -> torch.Tensor:
-        """A persistent buffer (zeroed, so garbage rows stay finite)."""
-        return self._kept(name, lambda: torch.zeros(shape, dtype=dtype, device=self.device))
-
     def _count(self, n: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         """A device tensor holding ``n`` (a count the host knows: the batch), made once per value."""
         return self._kept(("count", n, dtype, shape), lambda: torch.full(shape, n, dtype=dtype, device=self.device))
@@ -110,30 +106,35 @@ class WorldOneLayouts:
         return buf, buf.view(view_shape)
 
     def _rows(self, name, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``t [B, ...]`` as the first B of the contract's T rows, in ``dtype``: ``t`` itself when B = T (converted
-        if it must be), else copied into a buffer whose rows past B are garbage."""
-        if t.shape[0] == self.T:
-            return t if t.dtype is dtype else t.to(dtype)
-        buf = self._buf(name, (self.T, *t.shape[1:]), dtype)
-        buf[:t.shape[0]] = t
-        return buf
+        """``t [B, ...]`` as ``[1, T, ...]`` in ``dtype`` (the contract's T rows): ``t`` itself when B = T (converted
+        if it must be), else copied into a kept buffer whose rows past B are garbage. The buffer's ``[1, T, ...]``
+        view and its first B rows are kept with it: a forward of a kept batch size is one copy, no view op."""
+        B = t.shape[0]
+        if B == self.T:
+            return (t if t.dtype is dtype else t.to(dtype)).unsqueeze(0)
+        tail = tuple(t.shape[1:])
+        buf, view = self._kept(name, self._viewed, (self.T, *tail), (1, self.T, *tail), dtype)
+        self._kept((name, B), buf.narrow, 0, 0, B).copy_(t)
+        return view
 
     def _ids(self, idx: torch.Tensor) -> torch.Tensor:
         """``idx [B, K]`` as ``[1, T, K]`` int32 (the first B rows), never narrowed onto another expert: other
-        dtypes are clamped to ``[-1, E]``, then copied into a kept buffer whose ``[1, T, K]`` view is kept too."""
+        dtypes are clamped to ``[-1, E]``, then copied into a kept buffer (its ``[1, T, K]`` view and first B rows
+        kept too)."""
         if idx.dtype is torch.int32:
-            return self._rows("ids32", idx, torch.int32).unsqueeze(0)
+            return self._rows("ids32", idx, torch.int32)
         buf, view = self._kept("ids_clamped", self._viewed, (self.T, self.K), (1, self.T, self.K), torch.int32)
-        (buf if idx.shape[0] == self.T else buf[:idx.shape[0]]).copy_(idx.clamp(-1, self.config.num_experts))
+        B = idx.shape[0]
+        (buf if B == self.T else self._kept(("ids_clamped", B), buf.narrow, 0, 0, B)).copy_(
+            idx.clamp(-1, self.config.num_experts))
         return view
 
     def _ll_rank_major(self, x, q, idx, w) -> LowLatencyRankMajor:
         B, payload = x.shape[0], x if q is None else q
-        rows = [self._rows(("rm", i), p, p.dtype).unsqueeze(0)
-                for i, p in enumerate(row_parts(payload, broadcast_shared=True))]
+        rows = [self._rows(("rm", i), p, p.dtype) for i, p in enumerate(row_parts(payload, broadcast_shared=True))]
         self._state = B
         return LowLatencyRankMajor(with_row_parts(payload, rows), topk_idx=self._ids(idx),
-                                   topk_weights=self._rows("w", w, torch.float32).unsqueeze(0),
+                                   topk_weights=self._rows("w", w, torch.float32),
                                    src_rank_counts=self._count(B, torch.int32, (1,)))
 
     def _ht_flat(self, x, q, idx, w) -> HighThroughputFlat:

@@ -204,7 +204,9 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
             c.row_scale if c.row_scale is not None else dummy, c.idx)
     chain_args = (c.idx, 1, 1)  # ready counts (a placeholder when not chained), GEMM1's BLOCK_M and column tiles
     if link is not None:
-        if link.ready is None:
+        if link.ready is None:  # a zeroed counter per chained call, not one kept and reset by its last reader:
+            # no GEMM2 program knows that every other has read its expert's count (a reset could hide tiles from
+            # one still waiting), and the next forward's GEMM1, a dependent launch, may count before a reset lands
             link.ready = torch.zeros(c.G, dtype=torch.int32, device=xd.device)
         chain_args = (link.ready, *(link.wait or (1, 1)))
         link.pdl = p.pdl  # timed configs run one after another: a searched GEMM1 is followed by a plain launch

@@ -100,8 +100,10 @@ def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: b
 
 
 def clear_cache() -> None:
-    """Forget the cached plans (for tests that change the rules a plan is made by)."""
+    """Forget the cached plans and the tuned files' last stat (for tests that change the rules a plan is made by, or
+    rewrite a tuned file)."""
     _cached_decide.cache_clear()
+    tuned_files.invalidate()
 
 
 @lru_cache(maxsize=4096)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from functools import lru_cache
 
 from ... import device_facts, options
@@ -106,9 +107,19 @@ def _load_file(path: str, mtime: float) -> dict:
     return load_config_file(path)  # per modification time: re-read when tune rewrites it (bounded: old versions go)
 
 
+RESTAT_S = 1.0  # how long a stat of the tuned files is trusted (a forward takes them on every call)
+_versions = None  # (options, device index, trusted until (time.monotonic), versions) of the last stat
+
+
 def file_versions() -> tuple:
-    """(path, mtime) of this device's tuned-config file in each searched folder that has one: one stat per folder, so
-    an edited file (moe-ep tune) is picked up; caches of looked-up configs key on it."""
+    """(path, mtime) of this device's tuned-config file in each searched folder that has one; caches of looked-up
+    configs key on it. One stat per folder at most every :data:`RESTAT_S` seconds per options and device (an edited
+    file is seen within that), at once after :func:`invalidate` (``moe-ep tune`` calls it when it writes a file)."""
+    global _versions
+    opts, dev, now = options.current(), device_facts.device_index(), time.monotonic()
+    v = _versions
+    if v is not None and v[0] is opts and v[1] == dev and now < v[2]:
+        return v[3]
     found = []
     name = device_facts.device_name() + ".json"
     for d in config_dirs():
@@ -117,7 +128,14 @@ def file_versions() -> tuple:
             found.append((path, os.stat(path).st_mtime))
         except OSError:
             continue
-    return tuple(found)
+    _versions = (opts, dev, now + RESTAT_S, tuple(found))
+    return _versions[3]
+
+
+def invalidate() -> None:
+    """Forget the last stat of the tuned files: the next :func:`file_versions` reads them again (after a write)."""
+    global _versions
+    _versions = None
 
 
 def tuned_gemm_config(n: int, k: int, m: int, w_fp4: bool, swiglu: bool, versions: tuple | None = None, *,
