@@ -88,7 +88,8 @@ def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: b
     """The plan of a call with these sizes and formats (``m``: tokens per expert the config is chosen for).
     ``config``: a forced tile config (checked against the tuned-file schema, the FP8 rules where ``fp8`` / ``fp8_out``
     and this GPU's shared memory; on the sm_100 W4A4 path, NVFP4 x and w where ``sm100_fp4.available()``, it must be
-    an sm100_fp4 config instead: ``tuned_files.validate_sm100``, MoEEpConfigError otherwise). ``fp8``: x and w are FP8; ``fp8_out``: the epilogue quantizes to FP8.
+    an sm100_fp4 config instead: ``tuned_files.validate_sm100``, MoEEpConfigError otherwise). ``fp8``: x and w are
+    FP8; ``fp8_out``: the epilogue quantizes to FP8.
 
     Plans without a forced config are cached, keyed by every input: these arguments, the options, the tuned
     files' versions and the device (a plan is a pure function of them; the cache is bounded). ``env``:
