@@ -24,6 +24,11 @@ not stored. Scales are read in the layout the tensor holds: linear ``[rows, K/16
 expert) divide the fp32 sums in the epilogue. SwiGLU interleaves each gate row with its up row, as the
 ``tl`` kernel does, so one MMA per K step covers both (two MMAs into two accumulators crash Triton 3.6's automatic
 warp specialization: ``InsertTmemAref``, ``allocOp->hasOneUse()``); the ``[*, 2I]`` intermediate is never written.
+
+Configs: :data:`SM100_CONFIGS`, pruned (:func:`prune`) to the FP4 MMA's shapes and to sm_100's shared memory and
+tensor memory by estimates fitted to the builds (:func:`smem_bytes`, :func:`tmem_columns`). A call's config is
+forced, a tuned file's ``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]`` entry (``tuned_files.validate_sm100``) or
+:func:`default_config` (``plan.py``); ``moe-ep tune`` times :func:`tune_candidates` on a B200.
 """
 
 from __future__ import annotations
