@@ -376,7 +376,7 @@ def test_tune_dry_run_on_a_mocked_b200_writes_the_file_its_loader_picks(tmp_path
     """With a B200's properties mocked (capability 10.0, 148 SMs, its shared memory, its name), ``moe-ep tune`` runs its
     whole path on the interpreter for a tiny preset and writes ``NVIDIA_B200.json`` (the H200 file's code path: device
     name, buckets, routed counts), which validates, and which the loader picks for a call of that shape on that
-    device. The tl path is what is tuned: the sm100 kernel's configs are not in the tuned-file schema yet."""
+    device. bf16 weights: the tl kernel (the W4A4 kernel's tuning: the next test)."""
     from types import SimpleNamespace
 
     from moe_ep import device_facts, options
