@@ -77,3 +77,19 @@ def device_name() -> str:
 @lru_cache(maxsize=16)
 def _file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip())
+
+
+SM100_SMEM_PER_BLOCK = 232448
+"""Shared memory one program may use on a compute capability 10.0 GPU (B200 / GB200: the opt-in maximum, 227 KB),
+what the sm_100 W4A4 space is pruned by wherever it is pruned (its kernel runs on such a GPU alone)."""
+SM100_TMEM_COLUMNS = 512
+"""Tensor-memory columns (32-bit, 128 lanes) of one sm_100 CTA: the tcgen05 accumulator and the MMA's scales."""
+
+
+def sm100_smem_limit() -> int:
+    """Shared memory one program of the sm_100 W4A4 kernel may use: this GPU's opt-in maximum where it is of
+    capability 10.x, else :data:`SM100_SMEM_PER_BLOCK` (the B200's: the space is pruned for it on any machine)."""
+    props = properties()
+    if props is not None and props.major == 10 and getattr(props, "shared_memory_per_block_optin", None):
+        return int(props.shared_memory_per_block_optin)
+    return SM100_SMEM_PER_BLOCK

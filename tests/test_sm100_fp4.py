@@ -52,10 +52,13 @@ for i, check in enumerate(cc.sm100_fp4()):
     if shard != "all" and i % 2 != int(shard):
         continue
     k = cc.sm100_fp4_build(check)
-    c = check[2]
-    rows.append({"config": {n: c[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB")}, "swiglu": c["SWIGLU"],
-                 "want": sm100_fp4.mma_shape(c, c["SWIGLU"]), "mmas": cc.block_scaled_fp4_mmas(k.asm["ptx"]),
-                 "other_mma": "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], "shared": k.metadata.shared})
+    c = dict(check[2], num_stages=check[3]["num_stages"])
+    rows.append({"config": {n: c[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "num_stages")},
+                 "swiglu": c["SWIGLU"], "want": sm100_fp4.mma_shape(c, c["SWIGLU"]),
+                 "mmas": cc.block_scaled_fp4_mmas(k.asm["ptx"]),
+                 "other_mma": "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], "shared": k.metadata.shared,
+                 "smem_est": sm100_fp4.smem_bytes(c, c["SWIGLU"]), "tmem": getattr(k.metadata, "tmem_size", None),
+                 "tmem_est": sm100_fp4.tmem_columns(c, c["SWIGLU"])})
 print(json.dumps({"triton": triton.__version__, "listed": len(cc.sm100_fp4()), "rows": rows}))
 """
 
@@ -64,7 +67,8 @@ def test_every_sm100_config_builds_the_block_scaled_nvfp4_mma(request):
     """Every config of ``SM100_CONFIGS`` (formats and epilogues rotating over them) builds for sm_100, and its PTX
     holds tcgen05 MMAs that are all the NVFP4 one, with UE4M3 scales and the config's MMA shape, and no other MMA
     (a Triton that decodes to bf16 instead, as 3.9 does for an M of 64, fails here), in the shared memory a B200
-    gives one program. ``--compile-shard`` builds half."""
+    gives one program, within the prune's shared-memory estimate (``smem_bytes``: at most 2% and the slack over the
+    build's) and tensor-memory estimate (``tmem_columns``: the build's). ``--compile-shard`` builds half."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -80,6 +84,9 @@ def test_every_sm100_config_builds_the_block_scaled_nvfp4_mma(request):
         m, n = row["want"]
         assert row["mmas"] and not row["other_mma"], row
         assert row["shared"] <= B200["shared_memory_per_block_optin"], row  # launches on a B200
+        # the prune's estimates: shared memory at or above the build's, not far above; tensor memory Triton's own
+        assert row["shared"] <= row["smem_est"] <= 1.02 * row["shared"] + sm100_fp4.SMEM_SLACK, (res["triton"], row)
+        assert row["tmem"] is not None and row["tmem"] <= row["tmem_est"] <= max(row["tmem"], 32), (res["triton"], row)
         for mma in row["mmas"]:
             assert compile_checks.nvfp4_mma_ok(mma), (res["triton"], row)
             assert (mma["idesc"] >> 24 & 31, mma["idesc"] >> 17 & 63) == (m >> 4, n >> 3), (res["triton"], row)
@@ -369,7 +376,7 @@ def test_tune_dry_run_on_a_mocked_b200_writes_the_file_its_loader_picks(tmp_path
     """With a B200's properties mocked (capability 10.0, 148 SMs, its shared memory, its name), ``moe-ep tune`` runs its
     whole path on the interpreter for a tiny preset and writes ``NVIDIA_B200.json`` (the H200 file's code path: device
     name, buckets, routed counts), which validates, and which the loader picks for a call of that shape on that
-    device. The tl path is what is tuned: the sm100 kernel's configs are not in the tuned-file schema yet."""
+    device. bf16 weights: the tl kernel (the W4A4 kernel's tuning: the next test)."""
     from types import SimpleNamespace
 
     from moe_ep import device_facts, options
@@ -396,5 +403,149 @@ def test_tune_dry_run_on_a_mocked_b200_writes_the_file_its_loader_picks(tmp_path
             plan = plan_grouped_gemm(x, w, offsets=torch.tensor([0, 8, 16]), swiglu=True, m_hint=8)
             assert plan.config_source == "tuned-file" and plan.config_file.endswith("NVIDIA_B200.json")
             assert plan.config == table[key]["8"]
+    finally:
+        gemm_plan.clear_cache()
+
+
+# --- the space's prune and its tuned-file entries ---------------------------------------------------------------
+
+def _sm100_cfg(swiglu=False, **change):
+    """An sm100_fp4 config dict of the space (the 128-token prefill tile), with ``change`` applied."""
+    return dict(sm100_fp4.default_config(4096, swiglu), **change)
+
+
+def test_prune_drops_configs_over_shared_or_tensor_memory(monkeypatch):
+    """The prune keeps configs within sm_100's shared memory (``smem_bytes``) and tensor memory (``tmem_columns``):
+    a deep pipeline of the widest SwiGLU tile is dropped for its shared memory; with fewer tensor-memory columns
+    (patched), the tiles whose accumulator and scales need more are dropped, the others kept."""
+    deep = triton.Config(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, SWAP_AB=False, GROUP_M=8), num_warps=8,
+                         num_stages=6)
+    assert sm100_fp4.config_fits(deep.kwargs, True)
+    assert sm100_fp4.smem_bytes(sm100_fp4.config_dict(deep), True) > sm100_fp4.device_facts.SM100_SMEM_PER_BLOCK
+    assert sm100_fp4.prune([deep], True) == []
+    assert "shared memory" in sm100_fp4.over_limits(sm100_fp4.config_dict(deep), True)
+    assert sm100_fp4.prune([deep], True, smem_limit=2 ** 20) == [deep]
+    assert len(sm100_fp4.configs_for(False)) == sum(sm100_fp4.config_fits(c.kwargs, False)
+                                                    for c in sm100_fp4.SM100_CONFIGS)  # B200: all fit today
+    monkeypatch.setattr(sm100_fp4.device_facts, "SM100_TMEM_COLUMNS", 256)
+    kept = sm100_fp4.configs_for(False)
+    assert kept and all(sm100_fp4.mma_shape(c.kwargs, False)[1] < 256 for c in kept)
+    wide = next(c for c in sm100_fp4.SM100_CONFIGS if c.kwargs["BLOCK_N"] == 256)
+    assert wide not in kept and "tensor-memory" in sm100_fp4.over_limits(sm100_fp4.config_dict(wide), False)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64, 128, 1024])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_tune_candidates_suit_the_bucket(m, swiglu, monkeypatch):
+    """``moe-ep tune``'s W4A4 candidates (GPU rules: the interpreter's cut patched off) are configs of the pruned
+    space: swapped token tiles of up to twice the bucket's rows, the unswapped 128-token tile from 64 on."""
+    monkeypatch.setattr(sm100_fp4, "INTERPRETER", False)
+    cands = sm100_fp4.tune_candidates(m, 7168, 7168, swiglu)
+    space = [sm100_fp4.config_dict(c) for c in sm100_fp4.configs_for(swiglu)]
+    assert cands and all(c in space for c in cands)
+    assert all(c["BLOCK_M"] <= max(2 * m, 16) for c in cands if c["SWAP_AB"])
+    assert any(not c["SWAP_AB"] for c in cands) is (m >= 64)
+    assert len(sm100_fp4.tune_candidates(m, 7168, 7168, swiglu, quick=True)) <= 3
+
+
+_BAD_SM100 = [
+    ("not an object", [1, 2], r"\[where\] = \[1, 2\]; allowed: an sm100_fp4 config"),
+    ("unknown key (a tl config)", dict(_sm100_cfg(), TMA=False), r"\[where\]: keys \['TMA'\]"),
+    ("missing key", {k: v for k, v in _sm100_cfg().items() if k != "GROUP_M"}, r"\[where\]\.GROUP_M = missing"),
+    ("bad value", _sm100_cfg(BLOCK_M=24), r"\[where\]\.BLOCK_M = 24; allowed: an int, a power of two"),
+    ("bad bool", _sm100_cfg(SWAP_AB=0), r"\[where\]\.SWAP_AB = 0; allowed: true or false"),
+    ("MMA M not 128", _sm100_cfg(SWAP_AB=True, BLOCK_M=16, BLOCK_N=64), r"MMA \(M, N\) = \(64, 16\)"),
+    ("not in the space", _sm100_cfg(num_stages=5), r"not in the space"),
+    ("over shared memory", _sm100_cfg(BLOCK_K=256, num_stages=8), r"bytes of shared memory; allowed: at most"),
+]
+
+
+@pytest.mark.parametrize("what, cfg, says", _BAD_SM100, ids=[b[0] for b in _BAD_SM100])
+def test_bad_sm100_entries_are_named(what, cfg, says):
+    """Each kind of bad sm100 entry raises MoEEpConfigError naming where it is, the key or value, and what is
+    allowed."""
+    from moe_ep.kernels.grouped_gemm import tuned_files
+    with pytest.raises(MoEEpConfigError, match=r"^\[where\]" + says.removeprefix(r"\[where\]")
+                       if says.startswith(r"\[where\]") else r"^\[where\] = .*" + says):
+        tuned_files.validate_sm100(cfg, "[where]", False)
+    good = _sm100_cfg()
+    assert tuned_files.validate_sm100(good, "[where]", False) == good
+
+
+def _w4a4_plan(tmp_path, table, monkeypatch, config=None, swiglu=True):
+    """The plan of a W4A4 call with ``sm100_fp4.available`` mocked, tuned file ``table`` for this device."""
+    from moe_ep import device_facts, options
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    monkeypatch.setattr(sm100_fp4, "available", lambda: True)
+    (tmp_path / (device_facts.device_name() + ".json")).write_text(json.dumps(table))
+    gemm_plan.clear_cache()
+    try:
+        xq, xr, wq, wr, offs = _w4a4_call(swiglu)
+        with options.override(config_dir=str(tmp_path)):
+            return plan_grouped_gemm(xq, wq, offsets=offs, swiglu=swiglu, config=config)
+    finally:
+        gemm_plan.clear_cache()
+
+
+@interpreted
+def test_sm100_plan_takes_forced_then_tuned_then_first_config(tmp_path, monkeypatch):
+    """On the sm100 path (mocked) the config is the forced one (an sm100 config), else the tuned file's
+    ``..._xnvfp4_wnvfp4_swiglu`` entry, else ``default_config``; the plan says which. A forced config that is no
+    sm100 config (a tl one) and a bad entry in the file raise MoEEpConfigError."""
+    from moe_ep.kernels.grouped_gemm.config_space import shape_class
+    key = shape_class(24, 64, True, True, sm100_fp4=True)
+    assert key == "n24_k64_xnvfp4_wnvfp4_swiglu"
+    tuned = dict(sm100_fp4.default_config(64, True), BLOCK_K=128)
+    assert tuned != sm100_fp4.default_config(3, True)
+    p = _w4a4_plan(tmp_path, {key: {"8": tuned}}, monkeypatch)
+    assert (p.path, p.config_source, p.config) == ("sm100-fp4", "tuned-file", tuned)
+    assert p.config_file.endswith(".json")
+    p = _w4a4_plan(tmp_path, {}, monkeypatch)
+    assert (p.config_source, p.config) == ("first-config", sm100_fp4.default_config(3, True))
+    forced = sm100_fp4.config_dict(sm100_fp4.configs_for(True)[-1])
+    p = _w4a4_plan(tmp_path, {key: {"8": tuned}}, monkeypatch, config=forced)
+    assert (p.path, p.config_source, p.config) == ("sm100-fp4", "forced", forced)
+    tl_cfg = dict(forced, TMA=False)
+    with pytest.raises(MoEEpConfigError, match=r"^config: keys \['TMA'\]"):
+        _w4a4_plan(tmp_path, {}, monkeypatch, config=tl_cfg)
+    with pytest.raises(MoEEpConfigError, match=r"n24_k64_xnvfp4_wnvfp4_swiglu'\]\[8\]\.BLOCK_M = 24"):
+        _w4a4_plan(tmp_path, {key: {"8": dict(tuned, BLOCK_M=24)}}, monkeypatch)
+
+
+@interpreted
+@pytest.mark.one_triton
+def test_tune_on_a_mocked_b200_tunes_the_w4a4_kernel(tmp_path, monkeypatch):
+    """With a B200 mocked (its properties, and ``sm100_fp4.available``), ``moe-ep tune --formats nvfp4`` tunes the
+    W4A4 kernel in the same loop as the tl shapes and writes its entries (``n{N}_k{K}_xnvfp4_wnvfp4_swiglu``, each
+    bucket) next to the W4A16 ones in ``NVIDIA_B200.json``; they validate, and a W4A4 plan of that shape on that
+    device takes the tuned entry."""
+    from types import SimpleNamespace
+
+    from moe_ep import device_facts, options
+    from moe_ep.cli import main
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    from moe_ep.kernels.grouped_gemm import tuned_files
+    from moe_ep.kernels.grouped_gemm.config_space import shape_class
+    monkeypatch.setattr(device_facts, "properties", lambda: SimpleNamespace(**B200))
+    monkeypatch.setattr(sm100_fp4, "available", lambda: True)
+    gemm_plan.clear_cache()
+    try:
+        with options.override(config_dir=str(tmp_path)):
+            assert main(["tune", "--hidden", "64", "--intermediate", "32", "--experts", "2", "--gemms", "gemm1",
+                         "--formats", "nvfp4", "--buckets", "8,64"]) == 0
+            table = json.loads((tmp_path / "NVIDIA_B200.json").read_text())
+            key = shape_class(32, 64, True, True, sm100_fp4=True)
+            assert set(table) == {key, shape_class(32, 64, True, True)}
+            assert set(table[key]) == {"8", "64"}
+            for b, cfg in table[key].items():
+                assert tuned_files.validate_sm100(cfg, f"[{b}]", True) == cfg
+            x = quantize_nvfp4(torch.randn(16, 64).bfloat16())
+            w = quantize_nvfp4(torch.randn(2, 64, 64).bfloat16())
+            for m in (8, 64):
+                plan = plan_grouped_gemm(x, w, offsets=torch.tensor([0, 8, 16]), swiglu=True, m_hint=m)
+                assert plan.path == "sm100-fp4" and plan.config_source == "tuned-file", plan
+                assert plan.config_file.endswith("NVIDIA_B200.json") and plan.config == table[key][str(m)]
     finally:
         gemm_plan.clear_cache()

@@ -19,6 +19,10 @@ The best is written to
 atomically, so an interrupted run loses nothing and a rerun skips what is already there (``--force`` redoes
 it). ``<dir>``: ``--out-dir``, else ``$MOE_EP_CONFIG_DIR``, else the user's ``$XDG_CONFIG_HOME/moe-ep/configs``
 (``~/.config/moe-ep/configs``), which the kernels search before the package's shipped files.
+Where the sm_100 W4A4 kernel runs (``sm100_fp4.available()``: a B200), NVFP4 weights are also tuned with NVFP4 x
+by the same loop (buckets, routed counts, device name, file): its candidates are ``sm100_fp4.tune_candidates``
+(its space pruned for the shape and sm_100's shared and tensor memory), written under
+``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]``.
 Nothing here assumes an architecture: the device name and the config space come from the kernels' package.
 """
 
@@ -31,7 +35,7 @@ import torch
 
 from .. import device_facts, options
 from ..errors import MoEEpConfigError
-from ..kernels.grouped_gemm import config_space, grouped_gemm, plan_grouped_gemm, tuned_files
+from ..kernels.grouped_gemm import config_space, grouped_gemm, plan_grouped_gemm, sm100_fp4, tuned_files
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
                      routed_offsets, uniform_offsets, write_json)
@@ -69,17 +73,25 @@ def out_dir(args) -> str:
     return args.out_dir or options.current().config_dir or tuned_files.user_config_dir()
 
 
-def shapes(preset, gemms, formats, buckets) -> list[dict]:
-    """Every (GEMM, formats, bucket) to tune for ``preset``."""
+def shapes(preset, gemms, formats, buckets, sm100: bool = False) -> list[dict]:
+    """Every (GEMM, formats, bucket) to tune for ``preset``; ``sm100`` (``sm100_fp4.available()``): NVFP4 weights
+    also with NVFP4 x, the W4A4 kernel of sm_100 GPUs (its own keys and space)."""
     H, I = preset.hidden, preset.intermediate
     out = []
     for g in gemms:
         n, k, swiglu = (I, H, True) if g == "gemm1" else (H, I, False)
         for wf in formats:
-            for m in buckets:
-                out.append(dict(preset=preset.name, gemm=g, N=n, K=k, swiglu=swiglu, w_fp4=wf == "nvfp4",
-                                fp8=wf == "fp8", bucket=m, G=preset.local_experts))
+            for x_fp4 in ((False, True) if sm100 and wf == "nvfp4" else (False,)):
+                for m in buckets:
+                    out.append(dict(preset=preset.name, gemm=g, N=n, K=k, swiglu=swiglu, w_fp4=wf == "nvfp4",
+                                    fp8=wf == "fp8", sm100=x_fp4, bucket=m, G=preset.local_experts))
     return out
+
+
+def shape_key(s: dict) -> str:
+    """The tuned-file key shape ``s`` is written under (``config_space.shape_class``)."""
+    return config_space.shape_class(s["N"], s["K"], s["w_fp4"], s["swiglu"], s["fp8"], s["fp8"] and s["swiglu"],
+                                    sm100_fp4=s.get("sm100", False))
 
 
 def _operands(s, dev, counts: str):
@@ -92,6 +104,8 @@ def _operands(s, dev, counts: str):
     x = torch.randn(G * m, K, generator=gen, device=dev).to(torch.bfloat16)
     if s["w_fp4"]:
         w = quantize_nvfp4(w, nvfp4_global_scale(w, per_slice=True))
+    if s.get("sm100"):  # W4A4: NVFP4 x, one global scale
+        x = quantize_nvfp4(x, nvfp4_global_scale(x))
     if s.get("fp8"):
         x, w = quantize_fp8(x, 1), quantize_fp8(w, FP8_BLOCK, gate_up=s["swiglu"])
     return x, w, (routed_offsets if counts == "routed" else uniform_offsets)(G, m, dev)
@@ -100,20 +114,25 @@ def _operands(s, dev, counts: str):
 def tune_shape(s: dict, budget_s: float, rep_ms: float, dev, counts: str = "routed") -> dict:
     """Time each candidate config of shape ``s`` until ``budget_s``; the best and every timing."""
     fp8 = bool(s.get("fp8"))
-    cands = config_space.prune_grouped_gemm_configs(
-        config_space.grouped_gemm_configs(), {"M_BUCKET": config_space.m_bucket(s["bucket"]), "N": s["N"], "K": s["K"],
-                                              "G": s["G"], "SWIGLU": s["swiglu"],
-                                              "TMA_OK": not s["w_fp4"] and device_facts.tma_supported()},
-        SWIGLU=s["swiglu"], W_FP4=s["w_fp4"], FP8=fp8, FP8_OUT=fp8 and s["swiglu"])
+    if s.get("sm100"):  # the sm_100 W4A4 kernel's own space, pruned for the shape and sm_100's memories
+        cands = sm100_fp4.tune_candidates(config_space.m_bucket(s["bucket"]), s["N"], s["K"], s["swiglu"],
+                                          options.current().autotune_quick)
+        keys = sm100_fp4.CONFIG_KEYS
+    else:
+        cands = [config_space.config_dict(c) for c in config_space.prune_grouped_gemm_configs(
+            config_space.grouped_gemm_configs(), {"M_BUCKET": config_space.m_bucket(s["bucket"]), "N": s["N"],
+                                                  "K": s["K"], "G": s["G"], "SWIGLU": s["swiglu"],
+                                                  "TMA_OK": not s["w_fp4"] and device_facts.tma_supported()},
+            SWIGLU=s["swiglu"], W_FP4=s["w_fp4"], FP8=fp8, FP8_OUT=fp8 and s["swiglu"])]
+        keys = CONFIG_KEYS
     x, w, offsets = _operands(s, dev, counts)
     gemm = dict(offsets=offsets, swiglu=s["swiglu"], m_hint=s["bucket"], quantize_out=fp8 and s["swiglu"])
     t_start, timings, seen, best = time.perf_counter(), [], set(), None
-    for c in cands:
+    for asked in cands:
         if best is not None and time.perf_counter() - t_start > budget_s:
             break
-        asked = config_space.config_dict(c)
         try:  # what the launch would run: a TMA config where TMA cannot run becomes the same tiles by pointer loads
-            cfg = {k: plan_grouped_gemm(x, w, config=asked, **gemm).config[k] for k in CONFIG_KEYS}
+            cfg = {k: plan_grouped_gemm(x, w, config=asked, **gemm).config[k] for k in keys}
         except MoEEpConfigError as e:  # (does not fit here, e.g. in shared memory)
             timings.append(dict(config=asked, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
             continue
@@ -125,7 +144,7 @@ def tune_shape(s: dict, budget_s: float, rep_ms: float, dev, counts: str = "rout
             t0 = time.perf_counter()
             _, plan = fn()  # compiles
             sync()
-            cfg = {k: plan.config[k] for k in CONFIG_KEYS}  # what ran is what is timed and written
+            cfg = {k: plan.config[k] for k in keys}  # what ran is what is timed and written
             # the interpreter has nothing to compile and its time means little: its first call is the timing
             t = time.perf_counter() - t0 if INTERPRETER else time_call(fn, rep_ms=rep_ms, warmup_ms=5.0)
         except Exception as e:  # noqa: BLE001  (a config that cannot compile or run here is skipped)
@@ -144,7 +163,8 @@ def run(args) -> int:
     presets = [preset_from_args(args, n) for n in names]
     buckets = int_list(args.buckets or ("8" if INTERPRETER else "8,16,32,64,128,256,512,1024,2048"), "--buckets")
     todo = [s for p in presets for s in shapes(p, name_list(args.gemms, "--gemms", GEMMS),
-                                               name_list(args.formats, "--formats", FORMATS), buckets)]
+                                               name_list(args.formats, "--formats", FORMATS), buckets,
+                                               sm100_fp4.available())]
     folder = out_dir(args)
     path = os.path.join(folder, device_facts.device_name() + ".json")
     dev = device()
@@ -157,7 +177,7 @@ def run(args) -> int:
     t0, rows, report, stopped = time.perf_counter(), [], [], False
     with progress("tune", len(todo)) as advance:
         for s in todo:
-            key = config_space.shape_class(s["N"], s["K"], s["w_fp4"], s["swiglu"], s["fp8"], s["fp8"] and s["swiglu"])
+            key = shape_key(s)
             label = f"{s['preset']} {s['gemm']} {key} m={s['bucket']}"
             table = tuned_files.load_config_file(path)  # re-read: another process may have added shapes
             if not args.force and str(s["bucket"]) in table.get(key, {}):
@@ -180,7 +200,7 @@ def run(args) -> int:
             rows.append([s["preset"], key, s["bucket"],
                          "none ran: " + next((t["error"] for t in r["timings"] if "error" in t), "") if best is None else
                          f"{best['BLOCK_M']}x{best['BLOCK_N']}x{best['BLOCK_K']} swap={int(best['SWAP_AB'])} "
-                         f"tma={int(best['TMA'])} w{best['num_warps']} s{best['num_stages']}",
+                         f"tma={int(best.get('TMA', False))} w{best['num_warps']} s{best['num_stages']}",
                          "-" if r["best_us"] is None else f"{r['best_us']:.1f}", f"{r['tried']}/{r['distinct']}"])
             advance(label)
     print_table(f"tuned configs -> {path}", ["preset", "shape class", "bucket", "best config", "us", "timed/distinct"], rows)

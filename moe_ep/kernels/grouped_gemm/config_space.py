@@ -26,10 +26,15 @@ def m_bucket(m: int) -> int:
     return max(8, host_math.next_power_of_2(max(int(m), 1)))
 
 
-def shape_class(n: int, k: int, w_fp4: bool, swiglu: bool, fp8: bool = False, fp8_out: bool = False) -> str:
+def shape_class(n: int, k: int, w_fp4: bool, swiglu: bool, fp8: bool = False, fp8_out: bool = False,
+                sm100_fp4: bool = False) -> str:
     """The tuned-config file key of a GEMM shape (tokens-per-expert bucket is the inner key). x is bf16 in the GEMM
     but for FP8 (NVFP4 x is decoded to a bf16 copy first); the key still names it, as the files always have. FP8
-    (both operands) and an FP8 output have keys of their own: their tiles are not bf16's."""
+    (both operands) and an FP8 output have keys of their own: their tiles are not bf16's. ``sm100_fp4``: the W4A4
+    kernel of sm_100 GPUs (``sm100_fp4.py``, NVFP4 x and w on the FP4 MMA), ``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]``,
+    whose entries are that kernel's configs (``sm100_fp4.CONFIG_KEYS``)."""
+    if sm100_fp4:
+        return f"n{n}_k{k}_xnvfp4_wnvfp4{'_swiglu' if swiglu else ''}"
     if fp8:
         return f"n{n}_k{k}_xfp8_wfp8{'_swiglu' if swiglu else ''}{'_outfp8' if fp8_out else ''}"
     return f"n{n}_k{k}_xbf16_w{'nvfp4' if w_fp4 else 'bf16'}{'_swiglu' if swiglu else ''}"

@@ -43,7 +43,8 @@ class GemmPlan:
       (GEMM2: waits per expert); ``pdl``: launched as / allowing a programmatic dependent launch.
     - ``path``: the kernel that runs (:data:`PATHS`): "tl" (``kernels.py``) or "sm100-fp4" (``sm100_fp4.py``: NVFP4 x
       and w on the block-scaled FP4 tensor cores of a compute capability 10.x GPU, where ``sm100_fp4.available``; no
-      decoded copies, its own config space; a forced ``config`` keeps the tl path).
+      decoded copies, its own config space and tuned-file keys: ``config_source`` "forced", "tuned-file" or
+      "first-config", and a forced ``config`` must be one of ``sm100_fp4.configs_for``, MoEEpConfigError otherwise).
     """
     layout: str
     sizes: tuple
@@ -86,7 +87,9 @@ def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: b
            fp8: bool = False, fp8_out: bool = False, env: tuple | None = None) -> GemmPlan:
     """The plan of a call with these sizes and formats (``m``: tokens per expert the config is chosen for).
     ``config``: a forced tile config (checked against the tuned-file schema, the FP8 rules where ``fp8`` / ``fp8_out``
-    and this GPU's shared memory). ``fp8``: x and w are FP8; ``fp8_out``: the epilogue quantizes to FP8.
+    and this GPU's shared memory; on the sm_100 W4A4 path, NVFP4 x and w where ``sm100_fp4.available()``, it must be
+    an sm100_fp4 config instead: ``tuned_files.validate_sm100``, MoEEpConfigError otherwise). ``fp8``: x and w are
+    FP8; ``fp8_out``: the epilogue quantizes to FP8.
 
     Plans without a forced config are cached, keyed by every input: these arguments, the options, the tuned
     files' versions and the device (a plan is a pure function of them; the cache is bounded). ``env``:
@@ -129,11 +132,11 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
     if S == 0:
         return GemmPlan(**dict(base, chain="none", pdl=False), config=None, config_source="no-launch",
                         config_file=None, tma=False, persistent=False, grid=0)
-    if config is None and x_fp4 and w_fp4 and sm100_fp4.available():  # W4A4 on Blackwell: native FP4 MMAs
-        cfg = sm100_fp4.default_config(m, swiglu)
+    if x_fp4 and w_fp4 and sm100_fp4.available():  # W4A4 on Blackwell: native FP4 MMAs
+        cfg, source, path = _sm100_config(N, K, m, swiglu, config)
         grid = schedule.tile_slots(ragged, G, M_max, S, N, cfg["BLOCK_M"], cfg["BLOCK_N"])
         return GemmPlan(**dict(base, x_decoded=False, w_decoded=False, tma_possible=False), config=cfg,
-                        config_source="first-config", config_file=None, tma=False, persistent=False, grid=grid,
+                        config_source=source, config_file=path, tma=False, persistent=False, grid=grid,
                         path="sm100-fp4")
     if config is not None:
         cfg, source, path = tuned_files.validate(config, "config", swiglu, w_tiles_fp4, device_facts.smem_limit(),
@@ -150,6 +153,19 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
         cfg["TMA"] = False  # through pointer loads
     return _with_config(GemmPlan(**base, config=None, config_source=source, config_file=path, tma=None,
                                  persistent=None, grid=None), cfg)
+
+
+def _sm100_config(n: int, k: int, m: int, swiglu: bool, config: dict | None) -> tuple:
+    """(config, source, file) of an sm_100 W4A4 call, in order: the forced ``config`` (it must be an sm100_fp4
+    config: ``tuned_files.validate_sm100``, MoEEpConfigError otherwise), the tuned file's
+    ``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]`` entry, else ``sm100_fp4.default_config`` ("first-config"; no autotuner
+    runs on this path: ``moe-ep tune`` times its space)."""
+    if config is not None:
+        return tuned_files.validate_sm100(config, "config", swiglu), "forced", None
+    found = tuned_files.tuned_gemm_config(n, k, m, True, swiglu, sm100=True)
+    if found is not None:
+        return found[0], "tuned-file", found[1]
+    return sm100_fp4.default_config(m, swiglu), "first-config", None
 
 
 def autotuned(plan: GemmPlan, best: dict | None) -> GemmPlan:

@@ -24,6 +24,11 @@ not stored. Scales are read in the layout the tensor holds: linear ``[rows, K/16
 expert) divide the fp32 sums in the epilogue. SwiGLU interleaves each gate row with its up row, as the
 ``tl`` kernel does, so one MMA per K step covers both (two MMAs into two accumulators crash Triton 3.6's automatic
 warp specialization: ``InsertTmemAref``, ``allocOp->hasOneUse()``); the ``[*, 2I]`` intermediate is never written.
+
+Configs: :data:`SM100_CONFIGS`, pruned (:func:`prune`) to the FP4 MMA's shapes and to sm_100's shared memory and
+tensor memory by estimates fitted to the builds (:func:`smem_bytes`, :func:`tmem_columns`). A call's config is
+forced, a tuned file's ``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]`` entry (``tuned_files.validate_sm100``) or
+:func:`default_config` (``plan.py``); ``moe-ep tune`` times :func:`tune_candidates` on a B200.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ def _config(block_m: int, block_n: int, block_k: int, swap: bool, warps: int, st
                          num_warps=warps, num_stages=stages)
 
 
+# 2-CTA (``num_ctas=2``, ``tcgen05.mma.cta_group::2``) is not in the space: neither checked Triton builds this kernel
+# with it for sm_100 (3.6: TritonGPUPlanCTAPass fails; 3.9: TritonGPUAccelerateMatmul, "Src and Dst encodings are not
+# compatible" at the dot_scaled); docs/perf-log.md.
 SM100_CONFIGS = [
     # decode: swapped, BLOCK_N weight rows (2 * 64 interleaved gate / up rows with SwiGLU) in the MMA's M, BLOCK_M
     # tokens in its N
@@ -89,9 +97,106 @@ def config_fits(cfg: dict, swiglu: bool) -> bool:
     return m == MMA_M and n <= MAX_MMA_N
 
 
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "num_warps", "num_stages")
+"""An sm_100 config as a dict (``launch``'s ``config``, a tuned file's entry): no TMA key (the tl path's)."""
+SMEM_SLACK = 1024  # bytes past the pipeline's operand buffers (the builds add 8: barriers)
+
+
+def config_dict(cfg: triton.Config) -> dict:
+    """A ``triton.Config`` of :data:`SM100_CONFIGS` as a dict of :data:`CONFIG_KEYS`."""
+    kw = cfg.kwargs
+    return {"BLOCK_M": int(kw["BLOCK_M"]), "BLOCK_N": int(kw["BLOCK_N"]), "BLOCK_K": int(kw["BLOCK_K"]),
+            "SWAP_AB": bool(kw["SWAP_AB"]), "GROUP_M": int(kw["GROUP_M"]), "num_warps": int(cfg.num_warps),
+            "num_stages": int(cfg.num_stages)}
+
+
+def smem_bytes(cfg: dict, swiglu: bool) -> int:
+    """Shared memory one program of a config takes, estimated: ``num_stages - 1`` buffers (Triton's pipeliner keeps
+    that many loads in flight) of both operands' tiles, the MMA's M + N rows of ``BLOCK_K / 2`` code bytes and
+    ``BLOCK_K / 16`` scale bytes each, plus :data:`SMEM_SLACK`. Fitted to ``metadata.shared`` of the sm_100 builds of
+    every config (Triton 3.6 and 3.9 alike): at or below it, never more than 2% plus the slack under it
+    (tests/test_sm100_fp4.py)."""
+    m, n = mma_shape(cfg, swiglu)
+    bk = cfg["BLOCK_K"]
+    return max(cfg["num_stages"] - 1, 1) * (m + n) * (bk // 2 + bk // 16) + SMEM_SLACK
+
+
+def tmem_columns(cfg: dict, swiglu: bool) -> int:
+    """Tensor-memory columns one CTA of a config allocates, estimated: the fp32 accumulator's N columns and
+    ``2 * BLOCK_K / 16`` for the MMA's scales, rounded up to a power of two (at least 32), as Triton allocates it
+    (``metadata.tmem_size`` of every config's sm_100 build: equal; tests/test_sm100_fp4.py)."""
+    _, n = mma_shape(cfg, swiglu)
+    return max(32, 1 << (n + 2 * (cfg["BLOCK_K"] // 16) - 1).bit_length())
+
+
+def over_limits(cfg: dict, swiglu: bool, smem_limit: int | None = None) -> str | None:
+    """What of an sm_100 GPU a config exceeds (None: nothing): shared memory (:func:`smem_bytes` against
+    ``smem_limit``, default ``device_facts.sm100_smem_limit()``) or tensor memory (:func:`tmem_columns` against
+    ``device_facts.SM100_TMEM_COLUMNS``)."""
+    limit = device_facts.sm100_smem_limit() if smem_limit is None else smem_limit
+    need = smem_bytes(cfg, swiglu)
+    if need > limit:
+        return f"{need} bytes of shared memory; allowed: at most {limit} on sm_100"
+    cols = tmem_columns(cfg, swiglu)
+    if cols > device_facts.SM100_TMEM_COLUMNS:
+        return f"{cols} tensor-memory columns; allowed: at most {device_facts.SM100_TMEM_COLUMNS} per CTA"
+    return None
+
+
+def prune(configs, swiglu: bool, smem_limit: int | None = None) -> list[triton.Config]:
+    """The ``configs`` that build the FP4 MMA for this epilogue (:func:`config_fits`) within an sm_100 GPU's shared
+    and tensor memory (:func:`over_limits`)."""
+    return [c for c in configs if config_fits(c.kwargs, swiglu)
+            and over_limits(config_dict(c), swiglu, smem_limit) is None]
+
+
 def configs_for(swiglu: bool) -> list[triton.Config]:
-    """The configs of :data:`SM100_CONFIGS` a GEMM1 (``swiglu``) or GEMM2 may take."""
-    return [c for c in SM100_CONFIGS if config_fits(c.kwargs, swiglu)]
+    """The configs of :data:`SM100_CONFIGS` a GEMM1 (``swiglu``) or GEMM2 may take: :func:`prune`."""
+    return prune(SM100_CONFIGS, swiglu)
+
+
+def check_config(cfg, where: str, swiglu: bool) -> dict:
+    """``cfg`` as a dict of :data:`CONFIG_KEYS` if it is one of :func:`configs_for` (``swiglu``), else
+    MoEEpConfigError naming ``where``: keys other than :data:`CONFIG_KEYS`, a missing one, or a config outside the
+    space (one that does not build the FP4 MMA, or exceeds shared / tensor memory, says which)."""
+    if not isinstance(cfg, dict):
+        raise MoEEpConfigError(f"{where} = {cfg!r}; allowed: an sm100_fp4 config, an object with keys "
+                               f"{list(CONFIG_KEYS)}")
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS), key=str)
+    if unknown:
+        raise MoEEpConfigError(f"{where}: keys {unknown}; allowed: only {list(CONFIG_KEYS)} (an sm100_fp4 config)")
+    missing = [k for k in CONFIG_KEYS if k not in cfg]
+    if missing:
+        raise MoEEpConfigError(f"{where}.{missing[0]} = missing; allowed: an sm100_fp4 config has {list(CONFIG_KEYS)}")
+    out = {k: cfg[k] for k in CONFIG_KEYS}
+    if any(config_dict(c) == out and type(cfg["SWAP_AB"]) is bool for c in configs_for(swiglu)):
+        return out
+    why = ""
+    if all(type(out[k]) is int for k in CONFIG_KEYS if k != "SWAP_AB") and type(out["SWAP_AB"]) is bool:
+        if not config_fits(out, swiglu):
+            why = f": MMA (M, N) = {mma_shape(out, swiglu)}, allowed: M {MMA_M}, N at most {MAX_MMA_N}"
+        else:
+            why = ": " + (over_limits(out, swiglu) or "not in the space")
+    raise MoEEpConfigError(f"{where} = {cfg!r}{why}; allowed: one of sm100_fp4.configs_for(swiglu={swiglu})")
+
+
+def tune_candidates(m_bucket: int, n: int, k: int, swiglu: bool, quick: bool = False) -> list[dict]:
+    """The configs ``moe-ep tune`` times for a W4A4 shape class on an sm_100 GPU, as dicts, from :func:`configs_for`:
+    swapped token tiles of up to twice the bucket's rows (at least 16), the unswapped 128-token tile from 64 tokens
+    per expert on, no wider than the shape (N, K) where a narrower one exists. ``quick`` (and the interpreter, whose
+    timings mean nothing: each candidate only has to run) keeps the first two and the last."""
+    fits = configs_for(swiglu)
+
+    def right_kind(c):
+        kw = c.kwargs
+        return kw["BLOCK_M"] <= max(2 * m_bucket, 16) if kw["SWAP_AB"] else m_bucket >= 64
+    kept = [c for c in fits if right_kind(c)] or [c for c in fits if c.kwargs["SWAP_AB"]][:1]
+    narrow = [c for c in kept if c.kwargs["BLOCK_N"] <= max(host_math.next_power_of_2(n), 64)
+              and c.kwargs["BLOCK_K"] <= max(host_math.next_power_of_2(k), 128)]
+    kept = narrow or kept
+    if (quick or INTERPRETER) and len(kept) > 3:
+        kept = kept[:2] + kept[-1:]
+    return [config_dict(c) for c in kept]
 
 
 def default_config(tokens_per_expert: int, swiglu: bool) -> dict:
@@ -291,11 +396,8 @@ def sm100_fp4_grouped_gemm(x: NvFp4Tensor, w: NvFp4Tensor, *, counts: torch.Tens
           getattr(out, "shape", type(out).__name__), f"a contiguous bf16 / fp32 tensor {(*rows, N)} on {x.device}")
     m = -(-S // G) if ragged else M_max
     cfg = default_config(m, swiglu) if config is None else config
-    if config is not None and not (isinstance(config, dict) and all(k in config for k in _CONFIG_KEYS)
-                                   and any(dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) ==
-                                           {k: config[k] for k in _CONFIG_KEYS} for c in configs_for(swiglu))):
-        raise MoEEpConfigError(f"config = {config!r}; allowed: one of sm100_fp4.configs_for(swiglu={swiglu}) as a "
-                               f"dict of {_CONFIG_KEYS}")
+    if config is not None:
+        cfg = check_config(config, "config", swiglu)
     if S > 0:
         launch(x.data.contiguous(), x.scales.contiguous().view(torch.uint8), x.global_scale.reshape(-1).contiguous(),
                w.data.contiguous(), w.scales.contiguous().view(torch.uint8),
@@ -304,5 +406,3 @@ def sm100_fp4_grouped_gemm(x: NvFp4Tensor, w: NvFp4Tensor, *, counts: torch.Tens
                w_swizzled=w.swizzled)
     return out
 
-
-_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M", "num_warps", "num_stages")

@@ -8,6 +8,9 @@ the 16-token decode one). TMA (optional, default false): bf16 or FP8 tiles loade
 grid; where TMA cannot run (NVFP4 weights, the masked layout, decode buckets, a GPU older than Hopper) the same tiles
 go through pointer loads.
 
+Keys ``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]`` hold configs of the sm_100 W4A4 kernel (``sm100_fp4.py``: no TMA key),
+checked by :func:`validate_sm100`; only that kernel's plans look them up.
+
 Every config read is checked against the schema and against this GPU's shared memory (a config too large would not
 launch); a file that breaks either raises MoEEpConfigError naming the file, the key, the value and what is allowed.
 """
@@ -22,6 +25,7 @@ from functools import lru_cache
 
 from ... import device_facts, options
 from ...errors import MoEEpConfigError
+from . import sm100_fp4
 from .config_space import CONFIG_KEYS, fp8_rule_broken, m_bucket, shape_class, smem_bytes
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -71,6 +75,27 @@ def validate(cfg, where: str, swiglu: bool = False, w_fp4: bool = False, smem_li
             raise MoEEpConfigError(f"{where} = {cfg!r}: {need} bytes of shared memory; allowed: at most {smem_limit} "
                                    "on this GPU (smaller blocks or fewer num_stages)")
     return out
+
+
+def validate_sm100(cfg, where: str, swiglu: bool) -> dict:
+    """A config of the sm_100 W4A4 kernel (a ``..._xnvfp4_wnvfp4`` entry, or a forced config on that path) checked:
+    an object of exactly ``sm100_fp4.CONFIG_KEYS`` with values as :data:`SCHEMA` allows, and one of
+    ``sm100_fp4.configs_for(swiglu)`` (it builds the FP4 MMA within sm_100's shared and tensor memory). The config
+    with every key, or MoEEpConfigError naming ``where``, the key and value."""
+    if not isinstance(cfg, dict):
+        raise MoEEpConfigError(f"{where} = {cfg!r}; allowed: an sm100_fp4 config, an object with keys "
+                               f"{list(sm100_fp4.CONFIG_KEYS)}")
+    unknown = sorted(set(cfg) - set(sm100_fp4.CONFIG_KEYS), key=str)
+    if unknown:
+        raise MoEEpConfigError(f"{where}: keys {unknown}; allowed: only {list(sm100_fp4.CONFIG_KEYS)} "
+                               "(an sm100_fp4 config)")
+    for key in sm100_fp4.CONFIG_KEYS:
+        allowed, ok = SCHEMA[key]
+        if key not in cfg:
+            raise MoEEpConfigError(f"{where}.{key} = missing; allowed: {allowed}")
+        if not ok(cfg[key]):
+            raise MoEEpConfigError(f"{where}.{key} = {cfg[key]!r}; allowed: {allowed}")
+    return sm100_fp4.check_config(cfg, where, swiglu)
 
 
 def user_config_dir() -> str:
@@ -139,13 +164,14 @@ def invalidate() -> None:
 
 
 def tuned_gemm_config(n: int, k: int, m: int, w_fp4: bool, swiglu: bool, versions: tuple | None = None, *,
-                      fp8: bool = False, fp8_out: bool = False):
-    """``(config, file path)`` of the tuned config for this shape (FP8 shapes have keys of their own), or None (then
-    the first config or autotune). ``versions``: :func:`file_versions`, when the caller has them already."""
-    key, want = shape_class(n, k, w_fp4, swiglu, fp8, fp8_out), m_bucket(m)
-    limit = device_facts.smem_limit()
+                      fp8: bool = False, fp8_out: bool = False, sm100: bool = False):
+    """``(config, file path)`` of the tuned config for this shape (FP8 shapes have keys of their own; ``sm100``: the
+    sm_100 W4A4 kernel's, :func:`validate_sm100`), or None (then the first config or autotune). ``versions``:
+    :func:`file_versions`, when the caller has them already."""
+    key, want = shape_class(n, k, w_fp4, swiglu, fp8, fp8_out, sm100_fp4=sm100), m_bucket(m)
+    limit = device_facts.sm100_smem_limit() if sm100 else device_facts.smem_limit()
     for path, mtime in (file_versions() if versions is None else versions):
-        cfg = _lookup(path, mtime, key, want, swiglu, w_fp4, fp8, fp8_out, limit)
+        cfg = _lookup(path, mtime, key, want, swiglu, w_fp4, fp8, fp8_out, limit, sm100)
         if cfg is not None:
             return dict(cfg), path
     return None
@@ -153,7 +179,7 @@ def tuned_gemm_config(n: int, k: int, m: int, w_fp4: bool, swiglu: bool, version
 
 @lru_cache(maxsize=4096)
 def _lookup(path: str, mtime: float, key: str, want: int, swiglu: bool, w_fp4: bool, fp8: bool, fp8_out: bool,
-            limit) -> dict | None:
+            limit, sm100: bool = False) -> dict | None:
     """The checked config of ``key`` nearest to bucket ``want`` in one file version (callers copy it)."""
     by_m = _load_file(path, mtime).get(key)
     if not by_m:
@@ -165,6 +191,9 @@ def _lookup(path: str, mtime: float, key: str, want: int, swiglu: bool, w_fp4: b
         if not (isinstance(b, str) and b.isascii() and b.isdigit() and int(b) >= 1):
             raise MoEEpConfigError(f"{path}[{key!r}] key {b!r}; allowed: a positive integer (tokens per expert)")
         buckets[int(b)] = c
-    checked = {b: validate(c, f"{path}[{key!r}][{b}]", swiglu, w_fp4, limit, fp8=fp8, fp8_out=fp8_out)
-               for b, c in buckets.items()}
+    if sm100:  # (limit: what the space was pruned by; the key is part of the cache's key)
+        checked = {b: validate_sm100(c, f"{path}[{key!r}][{b}]", swiglu) for b, c in buckets.items()}
+    else:
+        checked = {b: validate(c, f"{path}[{key!r}][{b}]", swiglu, w_fp4, limit, fp8=fp8, fp8_out=fp8_out)
+                   for b, c in buckets.items()}
     return checked[min(checked, key=lambda b: (abs(math.log2(b / want)), b))]
