@@ -754,16 +754,21 @@ def test_shipped_tuned_files_hold_only_configs_their_shapes_can_run(name):
     # kernels ask for), the FP8 rules for FP8 shapes, and the shared memory of the GPU the file is named after
     table = tuned_files.load_config_file(os.path.join(tuned_files.SHIPPED_DIR, name))
     assert table
-    pattern = re.compile(r"n(\d+)_k(\d+)_x(bf16|fp8)_w(bf16|nvfp4|fp8)(_swiglu)?(_outfp8)?")
+    pattern = re.compile(r"n(\d+)_k(\d+)_x(bf16|fp8|nvfp4)_w(bf16|nvfp4|fp8)(_swiglu)?(_outfp8)?")
     for key, by_m in table.items():
         m = pattern.fullmatch(key)
         assert m, key
         n, k, fp8, w_fp4, swiglu, fp8_out = int(m[1]), int(m[2]), m[3] == "fp8", m[4] == "nvfp4", bool(m[5]), bool(m[6])
-        assert config_space.shape_class(n, k, w_fp4, swiglu, fp8, fp8_out) == key
+        sm100 = m[3] == "nvfp4"  # the sm_100 W4A4 kernel's keys
+        assert config_space.shape_class(n, k, w_fp4, swiglu, fp8, fp8_out, sm100_fp4=sm100) == key
         for bucket, cfg in by_m.items():
-            assert int(bucket) == config_space.m_bucket(int(bucket)), (key, bucket)
-            tuned_files.validate(cfg, f"{name}[{key}][{bucket}]", swiglu, w_fp4, H200_SMEM if "H200" in name else None,
-                                 fp8=fp8, fp8_out=fp8_out)
+            where = f"{name}[{key}][{bucket}]"
+            assert int(bucket) == config_space.m_bucket(int(bucket)), where
+            if sm100:
+                tuned_files.validate_sm100(cfg, where, swiglu)
+            else:
+                tuned_files.validate(cfg, where, swiglu, w_fp4, H200_SMEM if "H200" in name else None, fp8=fp8,
+                                     fp8_out=fp8_out)
 
 
 def test_config_caches_stay_bounded():
