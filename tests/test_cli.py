@@ -371,7 +371,9 @@ def _fake_targets(monkeypatch, **checks):
     from hypothesis import strategies as st
 
     from moe_ep.commands import fuzz
-    monkeypatch.setattr(fuzz, "PROPERTIES", {n: (lambda bounds: st.integers(0, 10 ** 6), c) for n, c in checks.items()})
+    from moe_ep.testing.properties import Property
+    monkeypatch.setattr(fuzz, "PROPERTIES", {n: Property(lambda bounds: st.integers(0, 10 ** 6), c)
+                                             for n, c in checks.items()})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default of a run through the interpreter")

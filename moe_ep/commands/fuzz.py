@@ -115,9 +115,8 @@ def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev
                advance=lambda: None) -> dict:
     """Fuzz one target in rounds until ``examples`` (None: unbounded) or ``budget_s`` are spent; stop at the first
     failure, or on Ctrl-C (status "interrupted": the caller stops and reports). ``advance()`` after each example."""
-    prop = PROPERTIES[name]
-    cases, check = prop[0], prop[1]
-    why = getattr(prop, "unavailable", lambda: None)()
+    cases, check, unavailable = PROPERTIES[name]
+    why = unavailable()
     if why:  # a kernel this device cannot run (the Gluon one needs sm_90): nothing to fuzz, and not a finding
         return dict(target=name, status="unavailable", examples=0, seconds=0.0, detail=why)
     strategy = cases(S.BOUNDS[sizes])
