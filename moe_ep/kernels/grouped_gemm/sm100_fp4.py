@@ -155,10 +155,9 @@ def configs_for(swiglu: bool) -> list[triton.Config]:
     return prune(SM100_CONFIGS, swiglu)
 
 
-def check_config(cfg, where: str, swiglu: bool) -> dict:
-    """``cfg`` as a dict of :data:`CONFIG_KEYS` if it is one of :func:`configs_for` (``swiglu``), else
-    MoEEpConfigError naming ``where``: keys other than :data:`CONFIG_KEYS`, a missing one, or a config outside the
-    space (one that does not build the FP4 MMA, or exceeds shared / tensor memory, says which)."""
+def check_keys(cfg, where: str) -> dict:
+    """``cfg`` as a dict of exactly :data:`CONFIG_KEYS` (values unchecked), else MoEEpConfigError naming ``where``:
+    not an object, keys other than :data:`CONFIG_KEYS` (a tl config's ``TMA`` too), or a missing one."""
     if not isinstance(cfg, dict):
         raise MoEEpConfigError(f"{where} = {cfg!r}; allowed: an sm100_fp4 config, an object with keys "
                                f"{list(CONFIG_KEYS)}")
@@ -168,7 +167,14 @@ def check_config(cfg, where: str, swiglu: bool) -> dict:
     missing = [k for k in CONFIG_KEYS if k not in cfg]
     if missing:
         raise MoEEpConfigError(f"{where}.{missing[0]} = missing; allowed: an sm100_fp4 config has {list(CONFIG_KEYS)}")
-    out = {k: cfg[k] for k in CONFIG_KEYS}
+    return {k: cfg[k] for k in CONFIG_KEYS}
+
+
+def check_config(cfg, where: str, swiglu: bool) -> dict:
+    """``cfg`` as a dict of :data:`CONFIG_KEYS` if it is one of :func:`configs_for` (``swiglu``), else
+    MoEEpConfigError naming ``where``: its keys (:func:`check_keys`), or a config outside the space (one that does
+    not build the FP4 MMA, or exceeds shared / tensor memory, says which)."""
+    out = check_keys(cfg, where)
     if any(config_dict(c) == out and type(cfg["SWAP_AB"]) is bool for c in configs_for(swiglu)):
         return out
     why = ""

@@ -82,20 +82,12 @@ def validate_sm100(cfg, where: str, swiglu: bool) -> dict:
     an object of exactly ``sm100_fp4.CONFIG_KEYS`` with values as :data:`SCHEMA` allows, and one of
     ``sm100_fp4.configs_for(swiglu)`` (it builds the FP4 MMA within sm_100's shared and tensor memory). The config
     with every key, or MoEEpConfigError naming ``where``, the key and value."""
-    if not isinstance(cfg, dict):
-        raise MoEEpConfigError(f"{where} = {cfg!r}; allowed: an sm100_fp4 config, an object with keys "
-                               f"{list(sm100_fp4.CONFIG_KEYS)}")
-    unknown = sorted(set(cfg) - set(sm100_fp4.CONFIG_KEYS), key=str)
-    if unknown:
-        raise MoEEpConfigError(f"{where}: keys {unknown}; allowed: only {list(sm100_fp4.CONFIG_KEYS)} "
-                               "(an sm100_fp4 config)")
-    for key in sm100_fp4.CONFIG_KEYS:
+    out = sm100_fp4.check_keys(cfg, where)
+    for key, value in out.items():
         allowed, ok = SCHEMA[key]
-        if key not in cfg:
-            raise MoEEpConfigError(f"{where}.{key} = missing; allowed: {allowed}")
-        if not ok(cfg[key]):
-            raise MoEEpConfigError(f"{where}.{key} = {cfg[key]!r}; allowed: {allowed}")
-    return sm100_fp4.check_config(cfg, where, swiglu)
+        if not ok(value):
+            raise MoEEpConfigError(f"{where}.{key} = {value!r}; allowed: {allowed}")
+    return sm100_fp4.check_config(out, where, swiglu)
 
 
 def user_config_dir() -> str:
