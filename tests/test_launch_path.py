@@ -74,7 +74,6 @@ def _id(case) -> str:
 def _forward(case):
     """One eager forward of ``case`` (a layout pair, with a batch size below T = 4, or "fused_moe") on small
     inputs, validate=False."""
-    # ("ll", "rank_major", B): B of T = 4 tokens
     w, x, idx, wts = _inputs(B=case[2] if isinstance(case, tuple) and len(case) == 3 else 4)
     if case == "fused_moe":
         return lambda: fused_moe(x, idx, wts, w, validate=False)
@@ -82,7 +81,7 @@ def _forward(case):
     return lambda: layer(x, idx, wts, validate=False)
 
 
-@pytest.mark.parametrize("case", list(BOUNDS), ids=lambda c: c if isinstance(c, str) else _id(c))
+@pytest.mark.parametrize("case", list(BOUNDS), ids=_id)
 def test_eager_forward_ops_and_launches_stay_bounded(monkeypatch, case):
     call = _forward(case)
     ops, launches, detail = _measure(monkeypatch, call)
@@ -129,7 +128,7 @@ def _moe_ep_calls(fn) -> int:
     return n
 
 
-@pytest.mark.parametrize("case", list(CALL_BOUNDS), ids=lambda c: c if isinstance(c, str) else _id(c))
+@pytest.mark.parametrize("case", list(CALL_BOUNDS), ids=_id)
 def test_launch_path_python_calls_stay_bounded(case):
     with stand_in_triton(_through_triton):
         call = _forward(case)
