@@ -154,25 +154,16 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
         return _through_triton(info, kernel, grid, args, kwargs)[0]
     if entry is None:
         return _first_call(info, kernel, grid, args, kwargs, key)
-    config = entry.config
-    full = None
-    if info.heuristics is None:  # no heuristic to evaluate: one variant per key
-        kept = entry.compiled.get(())
-        if kept is None:
-            return _first_call(info, kernel, grid, args, kwargs, key)
-        if callable(grid) or entry.pre_hook is not None:  # (else no argument dict to build)
-            full = dict(zip(info.names, args))
-            full.update(kwargs)
-            if config is not None:
-                full.update(entry.config_kwargs)
-    else:
+    full = None  # the argument dict: only for heuristics, a grid function or a config's pre-hook to read
+    if info.heuristics is not None or callable(grid) or entry.pre_hook is not None:
         full = dict(zip(info.names, args))
         full.update(kwargs)
-        if config is not None:
+        if entry.config_kwargs is not None:
             full.update(entry.config_kwargs)
-        kept = entry.compiled.get(_heuristic_values(info, full))
-        if kept is None:  # a heuristic came out another way: Triton compiles that variant
-            return _first_call(info, kernel, grid, args, kwargs, key)
+    # without heuristics one variant per key; else per their values (another one: Triton compiles that variant)
+    kept = entry.compiled.get(() if info.heuristics is None else _heuristic_values(info, full))
+    if kept is None:
+        return _first_call(info, kernel, grid, args, kwargs, key)
     if entry.pre_hook is not None:
         entry.pre_hook(full)
     run, function, metadata, tail = kept
@@ -180,7 +171,7 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     n = len(g)
     run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, drv.get_current_stream(device), function, metadata,
         None, None, None, *args, *tail)
-    return config
+    return entry.config
 
 
 def _driver():
