@@ -607,3 +607,39 @@ def test_a_command_gets_its_options_only_when_asked_for(capsys):
     with pytest.raises(SystemExit):
         main(["tune", "--help"])
     assert "--presets" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("every_s, printed", [(0.0, [1, 2, 3, 4, 5]), (1e9, [1, 5])], ids=["every", "throttled"])
+def test_progress_without_a_terminal_prints_plain_lines_first_last_and_throttled(every_s, printed, monkeypatch,
+                                                                                capsys):
+    """Under pytest stdout is not a terminal, as in a log or a pipe, where rich's live bar would print nothing until
+    the end: plain lines, the first and the last step always, those between at most one per interval."""
+    from moe_ep.commands import common
+    monkeypatch.setattr(common, "PLAIN_PROGRESS_EVERY_S", every_s)
+    with common.progress("bench", 5) as advance:
+        for i in range(5):
+            advance(f"row {i + 1}")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[{i}/5] bench: row {i}" for i in printed]
+
+
+def test_bench_lists_the_gemm_shapes_no_tuned_file_holds(tmp_path):
+    """bench says up front which of its GEMM shapes will autotune on first use (a fresh GPU bench takes minutes
+    longer): every key of the rows' formats, less those a tuned file of this device holds."""
+    from moe_ep import device_facts
+    from moe_ep.commands.bench import untuned_shapes
+    from moe_ep.kernels.grouped_gemm import tuned_files
+    from moe_ep.kernels.grouped_gemm.config_space import config_dict, grouped_gemm_configs, shape_class
+    small = get_preset("small")
+    gate_up = shape_class(small.intermediate, small.hidden, False, True)
+    with options.override(config_dir=str(tmp_path)):
+        tuned_files.invalidate()
+        every = untuned_shapes([small], ["mlp", "mlp-nvfp4", "mlp-fp8", "quant"])
+        assert len(every) == 6 and f"small: {gate_up}" in every, every
+        assert untuned_shapes([small], ["quant", "bridge"]) == []
+        assert len(untuned_shapes([small], ["layer"], "nvfp4")) == 2
+        (tmp_path / f"{device_facts.device_name()}.json").write_text(
+            json.dumps({gate_up: {"64": config_dict(grouped_gemm_configs()[0])}}))
+        tuned_files.invalidate()
+        assert untuned_shapes([small], ["mlp", "mlp-nvfp4", "mlp-fp8"]) == [s for s in every if gate_up not in s]
+    tuned_files.invalidate()

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -262,25 +263,34 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
 
 
+# a plain progress line at most this often (seconds) where no live bar can be drawn (a log file, a pipe)
+PLAIN_PROGRESS_EVERY_S = 5.0
+
+
 @contextlib.contextmanager
 def progress(description: str, total: int, enabled: bool = True):
-    """A progress bar (rich) yielding ``advance(label=None)``; plain one-line updates without rich."""
+    """A progress bar (rich) yielding ``advance(label=None)``. Where stdout is not a terminal (a log, a pipe: rich
+    would draw nothing until the end) or rich is not installed: a plain ``[done/total]`` line for the first step, the
+    last, and at most one per ``PLAIN_PROGRESS_EVERY_S`` between them."""
     if not enabled:
         yield lambda label=None: None
         return
-    try:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-    except ImportError:
-        done = [0]
+    con = console()
+    if con is None or not con.is_terminal:
+        done, last = [0], [-PLAIN_PROGRESS_EVERY_S]
 
         def advance(label=None):
             done[0] += 1
-            print(f"[{done[0]}/{total}] {description}" + (f": {label}" if label else ""), flush=True)
+            now = time.monotonic()
+            if done[0] in (1, total) or now - last[0] >= PLAIN_PROGRESS_EVERY_S:
+                last[0] = now
+                print(f"[{done[0]}/{total}] {description}" + (f": {label}" if label else ""), flush=True)
         yield advance
         return
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), TextColumn("{task.fields[label]}"), console=console()) as p:
+                  TimeRemainingColumn(), TextColumn("{task.fields[label]}"), console=con) as p:
         task = p.add_task(description, total=total, label="")
 
         def advance(label=None):

@@ -16,6 +16,7 @@ each function then times a single call by the wall clock, so a CPU run says that
 from __future__ import annotations
 
 import time
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -55,7 +56,9 @@ def _syncs(fn) -> bool:
     """Whether ``fn`` makes a host sync (which a CUDA graph cannot capture; a failed capture would leave the
     CUDA generator mid-capture), found by running it once under ``torch.cuda`` sync debug mode "error"."""
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch warns that the debug mode is a prototype: noise in a user's bench output
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         fn()
     except RuntimeError:
