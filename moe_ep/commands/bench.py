@@ -120,6 +120,22 @@ def torch_moe(gmm, x, idx, wts, w13, w2):
     return out
 
 
+def untuned_shapes(presets, kernels: list[str], layer_format: str = "bf16") -> list[str]:
+    """The tuned-file keys (``moe-ep tune``'s shapes) of the expert-MLP GEMMs these presets' rows launch that no
+    tuned file holds for this device: each one autotunes on its first call, which makes a first bench take minutes."""
+    from ..kernels.grouped_gemm import tuned_files
+    from .tune import shape_key, shapes
+    formats = [f for k, f in (("mlp", "bf16"), ("layer", layer_format), ("mlp-nvfp4", "nvfp4"), ("mlp-fp8", "fp8"))
+               if k in kernels]
+    missing = []
+    for p in presets:
+        for s in shapes(p, ("gemm1", "gemm2"), dict.fromkeys(formats), (1,)):
+            if tuned_files.tuned_gemm_config(s["N"], s["K"], 1, s["w_fp4"], s["swiglu"], fp8=s["fp8"],
+                                             fp8_out=s["fp8"] and s["swiglu"]) is None:
+                missing.append(f"{p.name}: {shape_key(s)}")
+    return list(dict.fromkeys(missing))
+
+
 # --- one row -----------------------------------------------------------------------------------------------
 
 
@@ -359,6 +375,11 @@ def run(args) -> int:
         if "layer" in args.kernel_list:  # the layer rows' formats against EpConfig's rules, before any work
             check_layer_shape(p, max(tokens), 1, args.weight_format, args.activation_format)
     dev = device()
+    missing = [] if INTERPRETER or rank != 0 else untuned_shapes(presets, args.kernel_list, args.weight_format)
+    if missing:
+        print(f"{len(missing)} GEMM shapes have no tuned configs for this device ({', '.join(missing)}): each "
+              "autotunes on its first call, so this run takes minutes longer; `moe-ep tune --presets "
+              f"{','.join(p.name for p in presets)} --formats bf16,nvfp4,fp8` writes them once", flush=True)
     jobs = [(k, lay) for k in args.kernel_list for lay in (layouts if k == "layer" else [None])]
     rows = []
     try:
