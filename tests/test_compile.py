@@ -17,8 +17,12 @@ from moe_ep.testing.compile_checks import SM90_ONLY
 # moe_ep.testing.compile_checks.TABLES
 KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4"]
 
-# One process per target builds everything for it (or its shard: --compile-shard, tests/conftest.py), so the suite imports torch and triton for the builds once per
-# target, not once per kernel module; every check runs even when one fails, and each says how it ended (a JSON line).
+# The builds are split into three groups per target, each one process (importing torch and triton once for the group):
+# the grouped GEMM's variants and the smem estimate's configs are most of the work, so as separate tests pytest-xdist can
+# run them on different workers. Every check of a group runs even when one fails, and each says how it ended (a JSON
+# line). Each group builds all its items, or its shard's half (--compile-shard, tests/conftest.py).
+GROUPS = {"grouped_gemm": ["grouped_gemm"], "smem": ["smem"],
+          "others": [m for m in KERNEL_MODULES if m != "grouped_gemm"]}
 SCRIPT = r"""
 import json
 import sys
@@ -33,7 +37,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from moe_ep.kernels.grouped_gemm import config_space
 from moe_ep.testing.compile_checks import SM90_ONLY, TABLES, fp8_tma_descriptors
 
-cc, shard = int(sys.argv[1]), sys.argv[2]
+cc, shard, wanted = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 target = GPUTarget("cuda", cc, 32)
 
 
@@ -104,6 +108,8 @@ def smem_estimate():
 
 results = {}
 for name, check in [*((m, lambda m=m: kernel_module(m)) for m in TABLES), ("smem", smem_estimate)]:
+    if name not in wanted:
+        continue
     try:
         results[name] = {"ok": True, "said": check()}
     except Exception:
@@ -122,23 +128,34 @@ def _run(script: str, *argv: str) -> str:
     return r.stdout
 
 
-def _build_everything_for(cc: int, shard: str) -> dict:
-    return json.loads(_run(SCRIPT, str(cc), shard).strip().splitlines()[-1])
+def _build(cc: int, shard: str, names: list[str]) -> dict:
+    return json.loads(_run(SCRIPT, str(cc), shard, ",".join(names)).strip().splitlines()[-1])
 
 
+def test_the_build_groups_cover_every_kernel_module_once():
+    """The groups below build every compile table of moe_ep.testing.compile_checks and the smem estimate, each once."""
+    from moe_ep.testing.compile_checks import TABLES
+    named = [n for names in GROUPS.values() for n in names]
+    assert sorted(named) == sorted([*TABLES, "smem"]) and sorted(KERNEL_MODULES) == sorted(TABLES), (named, TABLES)
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
 @pytest.mark.parametrize("cc", [90, 100], ids=["sm_90", "sm_100"])
-def test_kernels_compile_for_sm90_and_sm100_within_the_smem_estimate(cc, request):
+def test_kernels_compile_for_sm90_and_sm100_within_the_smem_estimate(cc, group, request):
     """Every variant of every kernel module builds a cubin for the target. And config_space.smem_bytes is at
     least what each config of the grouped GEMM's space takes there (so a pruned list only holds configs that
     fit) and not far above it (so the prune does not drop configs that would fit). ``--compile-shard 0`` / ``1``
     (CI: one per Triton) build every other variant and config for each target, the two shards all of them."""
     shard = request.config.getoption("compile_shard")
-    results = _build_everything_for(cc, shard)
-    assert set(results) == {*KERNEL_MODULES, "smem"}, sorted(results)
+    names = GROUPS[group]
+    results = _build(cc, shard, names)
+    assert set(results) == set(names), sorted(results)
     failed = {name: r["said"] for name, r in results.items() if not r["ok"]}
     assert not failed, "\n".join(f"{name} for sm_{cc}:\n{said}" for name, said in failed.items())
-    assert all("compiled" in results[m]["said"] for m in KERNEL_MODULES if not (m in SM90_ONLY and cc != 90)), results
-    assert "within it" in results["smem"]["said"], results["smem"]
+    assert all("compiled" in results[m]["said"] for m in names if m != "smem" and not (m in SM90_ONLY and cc != 90)), \
+        results
+    if "smem" in names:
+        assert "within it" in results["smem"]["said"], results["smem"]
     for name, r in results.items():  # what was built is the shard: all, or every other one
         if name in SM90_ONLY and cc != 90:
             assert r["said"].startswith("sm_90 only"), (name, r["said"])
