@@ -210,15 +210,19 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, 
                         acc = acc + db * sb[:, None]
                         i += 2
             else:
+                # each step's scales are loaded a step ahead: their latency hides behind the MMA of the step before
                 s = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, 0, KB)
-                da = warpgroup_mma_wait(num_outstanding=0, deps=(_mma_step(x_ring, w_ring, ready, i, da, WG, STAGES), ))
+                pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+                s_next = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, 1, KB)
+                da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
                 acc = da * s[:, None]
                 i += 1
                 for ks in range(1, KB_STEPS):
-                    s = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, ks, KB)
-                    da = warpgroup_mma_wait(num_outstanding=0,
-                                            deps=(_mma_step(x_ring, w_ring, ready, i, da, WG, STAGES), ))
+                    s = s_next
+                    pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+                    s_next = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, ks + 1, KB)
+                    da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
                     mbarrier.arrive(empty.index(i % STAGES), count=1)
                     acc = acc + da * s[:, None]
                     i += 1
