@@ -17,9 +17,11 @@ once, so every K step issues its MMA, waits, and promotes while the tensor core 
 - ``CONSUMERS`` math warpgroups (the default partition and, with two, a worker partition running the same code) each
   own 64 rows of the ``64 * CONSUMERS``-row tile, read the slot's x rows and the shared w tile by ``warpgroup_mma``,
   promote, and free the slot (the empty barrier counts one arrival per consumer, so neither waits for the other:
-  while one promotes, the other's MMA runs). ``OVERLAP`` also keeps the next K block's MMA in flight while the previous
-  one is promoted, within one warpgroup (two product buffers; the K loop is unrolled by two so that each buffer keeps
-  its registers across iterations and no in-flight accumulator is ever copied).
+  while one promotes, the other's MMA runs). ``OVERLAP`` also keeps a second K block's MMA in flight while the
+  previous one is promoted, within one warpgroup (two product buffers, each MMA writing into the registers of a
+  product already promoted; the K loop's body is a group of ``2 * PAIRS`` blocks that ends with nothing in flight,
+  so that no in-flight product is carried over the loop's back edge, and the producer pads K with zero blocks to
+  whole groups).
 
 Every partition walks the same persistent tile order: experts in order, and within expert g its row tiles fastest
 (``m_tiles(g) * n_tiles`` tiles), program p taking tiles p, p + P, ... of that sequence. The order comes from the
@@ -134,7 +136,7 @@ def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G
 @gluon.jit
 def _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, ks, KB):
     """The fp32 factor of K block ks per accumulator row: x's scale of the row times w's of the tile's 128 weight
-    rows (0 for a K block past the last one: the zero block an even step count adds)."""
+    rows (0 for a K block past the last one: the zero blocks that pad OVERLAP's groups)."""
     ok = ks < KB
     xs = gl.load(xs_ptr + rows * KB + ks, mask=rmask & ok, other=0.0)
     ws = gl.load(ws_ptr + srow * KB + ks, mask=ok, other=0.0)
