@@ -15,7 +15,7 @@ import pytest
 from moe_ep.testing.compile_checks import SM90_ONLY
 
 # moe_ep.testing.compile_checks.TABLES
-KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4"]
+KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4", "gluon_fp8"]
 
 # The builds are split into three groups per target, each one process (importing torch and triton once for the group):
 # the grouped GEMM's variants and the smem estimate's configs are most of the work, so as separate tests pytest-xdist can
@@ -209,19 +209,23 @@ def test_fp8_register_rule_matches_ptxas_spills():
 
 
 GLUON_SPILL_SCRIPT = r"""
+import sys
 import moe_ep
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from moe_ep.testing.compile_checks import TABLES, sm90_ptxas_log, sm90_ptxas_usage
-checks = TABLES["gluon_nvfp4"]()
+checks = TABLES[sys.argv[1]]()
 for fn, sig, const, opts in checks:
     k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
-    regs, stores, loads = sm90_ptxas_usage(sm90_ptxas_log(k.asm["ptx"]))
+    log = sm90_ptxas_log(k.asm["ptx"])
+    regs, stores, loads = sm90_ptxas_usage(log)
     warps = k.metadata.num_warps  # every partition's warps (the consumer's 4 and the producer's, padded)
     # a thread's registers: the launch's maxnreg, else what 64K registers split over the CTA's threads allow
     limit = min(opts.get("maxnreg") or 255, 255, 65536 // (32 * warps) // 8 * 8)
     assert stores == loads == 0 and regs <= limit, (const, opts, warps, regs, limit, stores, loads)
+    # ptxas serializes wgmma (waits after each) where it cannot prove the async accumulators untouched, and says so
+    assert "wgmma" not in log, (const, log)
 print(f"gluon registers: {len(checks)} variants within their register limits, no spills")
 """
 
@@ -230,4 +234,12 @@ def test_gluon_nvfp4_variants_build_for_sm90a_without_spills():
     """Every Gluon NVFP4 GEMM variant of the compile table, built for sm_90a at its launch's warps and registers:
     ptxas -v reports no spill bytes and at most the registers a thread may hold (maxnreg, or 64K over the CTA's
     threads): a variant that spills its accumulators or decode registers would be slow on the H200, not wrong."""
-    assert "no spills" in _run(GLUON_SPILL_SCRIPT)
+    assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_nvfp4")
+
+
+def test_gluon_fp8_variants_build_for_sm90a_without_spills():
+    """Every Gluon FP8 GEMM variant (and with / without the row scale), built for sm_90a as a launch builds it: no
+    spill bytes, at most the registers a thread may hold, and no wgmma serialization warning from ptxas (an MMA that
+    could not run asynchronously would leave the tensor core idle through each promotion, the thing this kernel is
+    for)."""
+    assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_fp8")

@@ -8,6 +8,7 @@ from ..kernels import bridge as _bridge
 from ..kernels import fp8 as _fp8
 from ..kernels import nvfp4 as _nvfp4
 from ..kernels.grouped_gemm import fp4_decode as _fp4_decode
+from ..kernels.grouped_gemm import gluon_fp8 as _gluon_fp8
 from ..kernels.grouped_gemm import gluon_nvfp4 as _gluon_nvfp4
 from ..kernels.grouped_gemm import kernels as _gg_kernels
 from ..kernels.grouped_gemm import sm100_fp4 as _sm100_fp4
@@ -255,11 +256,18 @@ def gluon_nvfp4():
     return checks
 
 
+def gluon_fp8():
+    """(Gluon kernel, signature, constexprs, compile options) per variant of the Hopper FP8 block-scaled GEMM
+    (``gluon_fp8.VARIANTS``), with and without the row scale, as a launch builds it: sm_90 only (:data:`SM90_ONLY`)."""
+    return [(_gluon_fp8._gluon_fp8_kernel, *_gluon_fp8.compile_signature(variant, has_rs))
+            for variant in _gluon_fp8.VARIANTS for has_rs in (True, False)]
+
+
 TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm,
-          "gluon_nvfp4": gluon_nvfp4}
+          "gluon_nvfp4": gluon_nvfp4, "gluon_fp8": gluon_fp8}
 """Kernel module -> its variants."""
 
-SM90_ONLY = {"gluon_nvfp4"}
+SM90_ONLY = {"gluon_nvfp4", "gluon_fp8"}
 """Kernel modules built for sm_90 alone (Hopper-only instructions): the sm_100 build says so instead of building."""
 
 

@@ -1,0 +1,148 @@
+"""Time the Gluon FP8 block-scaled grouped GEMM (Hopper) against the tl FP8 grouped GEMM and the bf16 one, prefill.
+
+Each row: one GEMM (no SwiGLU) of DeepSeek-V3's EP8 rank (32 local experts), ragged x with the same rows per expert,
+FP8 operands in DeepSeek-V3's format (x per row per 128 channels, w per 128x128 block). Columns, all CUDA-graph timed
+medians in this run: each Gluon variant (``gluon_fp8.VARIANTS``, bf16 out), the tl FP8 path
+(``moe_ep.kernels.grouped_gemm`` on the same Fp8Tensors, autotuned first, bounded search), the tl bf16 path on the
+bf16 operands the FP8 ones were quantized from, the FLOP floor at 1979 TFLOP/s (H200 dense FP8), and the relative
+error of each FP8 result against the fp32 reference on the dequantized operands. A variant or path that fails is
+reported in its row (the error), and the others still run.
+
+From the repository root, on an H100 / H200:
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_gluon_fp8.py --out gluon_fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+import torch
+
+import moe_ep  # noqa: F401  (before triton)
+import triton  # noqa: E402
+from moe_ep import options  # noqa: E402
+from moe_ep.commands.common import uniform_offsets  # noqa: E402
+from moe_ep.commands.timing import time_graph  # noqa: E402
+from moe_ep.kernels import grouped_gemm  # noqa: E402
+from moe_ep.kernels.fp8 import quantize_fp8  # noqa: E402
+from moe_ep.kernels.grouped_gemm.gluon_fp8 import VARIANTS, gluon_fp8_grouped_gemm  # noqa: E402
+from moe_ep.reference import dequantize_fp8_ref  # noqa: E402
+
+FP8_PEAK = 1979e12
+EXPERTS = 32
+SHAPES = [  # (name, N, K, rows per expert)
+    ("DeepSeek-V3 EP8 gemm2 (down)", 7168, 2048, 1024),
+    ("gemm1-sized plain GEMM", 4096, 7168, 1024),
+    ("DeepSeek-V3 EP8 gemm2 (down)", 7168, 2048, 128),
+    ("gemm1-sized plain GEMM", 4096, 7168, 128),
+]
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def reference(x8, w8, offs):
+    """fp32 product of the dequantized operands per expert, one matmul per expert (w dequantized one expert at a
+    time: the whole fp32 copy of a GEMM1-sized weight would be 3.8 GB)."""
+    out = torch.zeros(x8.shape[0], w8.shape[1], device=x8.device)
+    xf = dequantize_fp8_ref(x8.data, x8.scales, 1)
+    o = offs.tolist()
+    for g in range(w8.shape[0]):
+        wg = dequantize_fp8_ref(w8.data[g], w8.scales[g], 128)
+        out[o[g]:o[g + 1]] = xf[o[g]:o[g + 1]] @ wg.T
+    return out
+
+
+def _error_line(tb: str) -> str:
+    return tb.strip().splitlines()[-1][:300]
+
+
+def run_row(name, N, K, rows):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(EXPERTS * rows, K, device=dev, generator=gen).bfloat16()
+    w = (torch.randn(EXPERTS, N, K, device=dev, generator=gen) * K ** -0.5).bfloat16()
+    x8, w8 = quantize_fp8(x, 1), quantize_fp8(w, 128)
+    offs = uniform_offsets(EXPERTS, rows, dev)
+    rs = torch.rand(EXPERTS * rows, device=dev, generator=gen) + 0.5  # GEMM2's routing weights
+    M = EXPERTS * rows
+    row = {"shape": name, "experts": EXPERTS, "N": N, "K": K, "rows_per_expert": rows,
+           "flop_floor_us": 2 * M * N * K / FP8_PEAK * 1e6}
+    ref = reference(x8, w8, offs) * rs[:, None]
+    for variant in VARIANTS:
+        try:
+            out = gluon_fp8_grouped_gemm(x8, w8, offs, row_scale=rs, variant=variant)
+            torch.cuda.synchronize()
+            row[f"rel_err_{variant}"] = rel_err(out, ref)
+            row[f"{variant}_us"] = time_graph(
+                lambda v=variant: gluon_fp8_grouped_gemm(x8, w8, offs, row_scale=rs, variant=v)) * 1e6
+        except Exception:  # noqa: BLE001  (reported in the row: the other variants still run)
+            row[f"{variant}_error"] = traceback.format_exc()[-2000:]
+            print(f"  {name} {rows}: variant {variant} failed: {_error_line(row[f'{variant}_error'])}", flush=True)
+    for col, a, b in (("tl_fp8", x8, w8), ("tl_bf16", x, w)):
+        try:
+            with options.override(autotune_quick=True):
+                got, plan = grouped_gemm(a, b, offsets=offs, row_scale=rs, m_hint=rows, return_plan=True)
+            row[f"rel_err_{col}"] = rel_err(got, ref)
+            row[f"{col}_config"] = plan.config
+            row[f"{col}_us"] = time_graph(lambda a=a, b=b: grouped_gemm(a, b, offsets=offs, row_scale=rs,
+                                                                        m_hint=rows)) * 1e6
+        except Exception:  # noqa: BLE001
+            row[f"{col}_error"] = traceback.format_exc()[-2000:]
+            print(f"  {name} {rows}: {col} failed: {_error_line(row[f'{col}_error'])}", flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_gluon_fp8.json", help="full results as JSON")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    dev_name = torch.cuda.get_device_name()
+    print(f"device {dev_name}, capability {torch.cuda.get_device_capability()}, triton {triton.__version__}, "
+          f"torch {torch.__version__}", flush=True)
+    rows = []
+    for shape in SHAPES:
+        try:
+            r = run_row(*shape)
+        except Exception:  # noqa: BLE001  (a row whose operands could not be made: the next shape still runs)
+            r = {"shape": shape[0], "N": shape[1], "K": shape[2], "rows_per_expert": shape[3],
+                 "row_error": traceback.format_exc()[-2000:]}
+            print(f"  {shape}: failed: {_error_line(r['row_error'])}", flush=True)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        with open(args.out, "w") as f:  # after every row: a run cut short still leaves the rows it finished
+            json.dump({"device": dev_name, "triton": triton.__version__, "rows": rows}, f, indent=1)
+
+    def f(v):
+        return "-" if v is None or v != v else f"{v:8.1f}"
+
+    cols = [*VARIANTS, "tl_fp8", "tl_bf16"]
+    print(f"\n{'shape':30} {'rows/e':>6} " + " ".join(f"{c[:14]:>14}" for c in cols) + f" {'floor':>8} "
+          f"{'best/bf16':>9} {'best/floor':>10}")
+    for r in rows:
+        times = {c: r.get(f"{c}_us") for c in cols}
+        gl_times = [times[v] for v in VARIANTS if times[v]]
+        best = min(gl_times) if gl_times else None
+        bf16 = times["tl_bf16"]
+        floor = r.get("flop_floor_us")
+        print(f"{r['shape'][:30]:30} {r['rows_per_expert']:6d} " + " ".join(f"{f(times[c]):>14}" for c in cols)
+              + f" {f(floor):>8} {best / bf16 if best and bf16 else float('nan'):9.2f} "
+              f"{best / floor if best and floor else float('nan'):10.2f}")
+        print("  rel err: " + ", ".join(f"{c} {r[f'rel_err_{c}']:.1e}" for c in cols if f"rel_err_{c}" in r))
+        for k in [k for k in r if k.endswith("_error")]:
+            print(f"  {k}: {_error_line(r[k])}")
+    print("times in us (median of CUDA-graph replays), each with the row's routing weights; floor: 2 M N K / "
+          "1979 TFLOP/s (dense FP8); best: the fastest Gluon variant; rel err: relative Frobenius error against fp32 "
+          "x @ w^T on the dequantized FP8 operands (tl_bf16: on the bf16 operands they were quantized from, so its "
+          "error is FP8's rounding)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""A Gluon warp-specialized FP8 x FP8 block-scaled ragged grouped GEMM for Hopper (sm_90a): the prefill shape class.
+GPU-only; the ``triton.language`` kernel (``kernels.py``) stays the reference path, and the dispatcher does not
+choose this one yet.
+
+``y[rows of g] = sum_kb (x_q[rows, kb] @ w_q[g, :, kb]^T) * xs[rows, kb] * ws[g, n // 128, kb]`` in fp32, bf16 out,
+optionally times a routing weight per row (GEMM2's form; the tl kernel's ``HAS_RS``). Operands are DeepSeek-V3's
+format as :class:`Fp8Tensor` holds it (docs/DESIGN.md, FP8): x e4m3 ``[M, K]`` with fp32 scales ``[M, ceil(K/128)]``,
+w e4m3 ``[G, N, K]`` with fp32 scales ``[G, ceil(N/128), ceil(K/128)]``. Each 128-wide K block's product is summed by
+the tensor core on its own (``use_acc=False``) and added to the fp32 accumulator times its two scales: DeepGEMM's
+promotion, so the tensor core's reduced-precision FP8 accumulation never spans more than one block.
+
+Why Gluon: in ``triton.language`` a block's product comes from a zero-initialised ``tl.dot`` that is waited on at
+once, so every K step issues its MMA, waits, and promotes while the tensor core idles. Here the partitions are:
+
+- a producer (1 warp, padded to a warpgroup by Triton) TMA-loads each K step's x tile ``[BLOCK_M, 128]`` and w tile
+  ``[BLOCK_N, 128]`` into a ``STAGES``-deep ring of shared-memory slots, each with a "ready" and an "empty" mbarrier;
+- ``CONSUMERS`` math warpgroups (the default partition and, with two, a worker partition running the same code) each
+  own 64 rows of the ``64 * CONSUMERS``-row tile, read the slot's x rows and the shared w tile by ``warpgroup_mma``,
+  promote, and free the slot (the empty barrier counts one arrival per consumer, so neither waits for the other:
+  while one promotes, the other's MMA runs). ``OVERLAP`` also keeps a second K block's MMA in flight while the
+  previous one is promoted, within one warpgroup (two product buffers, each MMA writing into the registers of a
+  product already promoted; the K loop's body is a group of ``2 * PAIRS`` blocks that ends with nothing in flight,
+  so that no in-flight product is carried over the loop's back edge, and the producer pads K with zero blocks to
+  whole groups).
+
+Every partition walks the same persistent tile order: experts in order, and within expert g its row tiles fastest
+(``m_tiles(g) * n_tiles`` tiles), program p taking tiles p, p + P, ... of that sequence. The order comes from the
+device-side offsets alone (no host sync); empty experts own no tiles. Row tiles may read rows past their expert's end
+(the next expert's rows, or TMA's zero fill past M): those rows are computed and never stored, and columns past N
+likewise. K need not be a multiple of 128 (TMA fills the last block's columns past K with zeros), but TMA needs
+16-byte row strides: K a multiple of 16.
+
+Named variants (:data:`VARIANTS`) choose the consumers and the overlap; the GEMM1 form (SwiGLU, FP8 out) would be a
+second epilogue on the same loop (gate and up tiles as two w loads into two accumulators).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ...errors import MoEEpConfigError, check
+from ..fp8 import FP8_BLOCK, Fp8Tensor
+
+BLOCK_K = FP8_BLOCK  # one scale block per ring slot
+WG_ROWS = 64  # rows per math warpgroup: the wgmma M of one warpgroup
+_WG_ROWS = gl.constexpr(WG_ROWS)
+PAIRS = gl.constexpr(2)  # OVERLAP: pairs of K blocks per group (the K loop's unrolled body)
+K_MULTIPLE = 16  # TMA: the e4m3 rows (K bytes) must be 16-byte multiples
+MAX_EXPERTS = 1024  # the tile schedule's per-expert vector (a power of two at least G) stays small
+
+VARIANTS = {
+    # name: (math warpgroups, next block's MMA in flight while promoting, BLOCK_N, ring stages)
+    "coop": (2, False, 128, 4),  # two warpgroups on one 128 x 128 tile; each waits for its MMA, then promotes
+    "coop_overlap": (2, True, 64, 6),  # two warpgroups on 128 x 64 tiles, each with a second MMA in flight
+    "single_overlap": (1, True, 64, 8),  # one warpgroup on 64 x 64 tiles, a second MMA in flight
+}
+"""Variant name -> (CONSUMERS, OVERLAP, BLOCK_N, STAGES). A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes
+(128-144 KB of shared memory at these depths). With OVERLAP a warpgroup holds two products besides its accumulator:
+at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64, none do (compile checks)."""
+DEFAULT_VARIANT = "coop"
+
+# TMA's global -> shared copy: Triton 3.6 ``async_copy_global_to_shared``, 3.9 ``async_load`` (the same arguments:
+# descriptor, coordinates, mbarrier, destination)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+def shared_layouts(block_m: int, block_n: int) -> dict:
+    """The NVMMA shared layouts of the x and w ring slots (also the compile check's descriptor types)."""
+    return {"x": gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float8e4nv),
+            "w": gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.float8e4nv)}
+
+
+@gluon.jit
+def _expert_rows(offs_ptr, g, M):
+    """Expert g's rows [start, end): its offsets clamped to [0, M] and made nondecreasing."""
+    start = gl.minimum(gl.maximum(gl.load(offs_ptr + g), 0), M)
+    end = gl.maximum(gl.minimum(gl.load(offs_ptr + g + 1), M), start)
+    return start, end
+
+
+@gluon.jit
+def _first_tile(first, pid, P):
+    """This program's first tile at or after ``first`` in the persistent order (tiles p, p + P, ...)."""
+    return first + ((pid - first) % P + P) % P
+
+
+@gluon.jit
+def _k_steps(K, BK: gl.constexpr, OVERLAP: gl.constexpr):
+    """K steps a tile takes: one per 128-wide K block, with OVERLAP rounded up to whole groups of 2 * PAIRS (the
+    blocks past K are TMA's zero fill, their scales read as 0)."""
+    steps = gl.cdiv(K, BK)
+    if OVERLAP:
+        steps = gl.cdiv(steps, 2 * PAIRS) * (2 * PAIRS)
+    return steps
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+    """1 warp: for every tile of this program, fill ring slot i % STAGES with K step i's x and w tiles once every
+    consumer freed it (:func:`_k_steps` of them a tile)."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    k_steps = _k_steps(K, BK, OVERLAP)
+    i = 0
+    first = 0
+    for g in range(G):
+        start, end = _expert_rows(offs_ptr, g, M)
+        m_tiles = gl.cdiv(end - start, BM)
+        last = first + m_tiles * N_TILES
+        for t in range(_first_tile(first, pid, P), last, P):
+            local = t - first
+            row0 = start + (local % m_tiles) * BM
+            wrow = g * N + (local // m_tiles) * BN  # row of the [G * N, K] weight view
+            for ks in range(k_steps):
+                slot = i % STAGES
+                # a fresh barrier counts as having completed the phase before phase 0: the first pass does not wait
+                mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
+                _tma_load(w_desc, [wrow, ks * BK], bar, w_ring.index(slot))
+                i += 1
+        first = last
+
+
+@gluon.jit
+def _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, ks, KB):
+    """The fp32 factor of K block ks per accumulator row: x's scale of the row times w's of the tile's 128 weight
+    rows (0 for a K block past the last one: the zero blocks that pad OVERLAP's groups)."""
+    ok = ks < KB
+    xs = gl.load(xs_ptr + rows * KB + ks, mask=rmask & ok, other=0.0)
+    ws = gl.load(ws_ptr + srow * KB + ks, mask=ok, other=0.0)
+    return xs * ws
+
+
+@gluon.jit
+def _mma_step(x_ring, w_ring, ready, i, spare, WG: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for ring slot i % STAGES and issue this warpgroup's MMA of it (its 64 x rows times the w tile^T),
+    asynchronously, its product summed on its own (``use_acc=False``) into the registers of ``spare`` (a product
+    already promoted: reusing its registers keeps a dead buffer from being copied or a zero tile from staying live)."""
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    a = x_ring.index(slot).slice(WG * spare.shape[0], spare.shape[0], dim=0)
+    b = w_ring.index(slot).permute((1, 0))
+    return warpgroup_mma(a, b, spare, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+              WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              HAS_RS: gl.constexpr):
+    """Math warpgroup WG: rows WG * 64 .. WG * 64 + 63 of each of this program's tiles, promoted per K block, then
+    (times the row's routing weight with HAS_RS) stored as bf16 where the row is its expert's and the column < N."""
+    BN: gl.constexpr = w_ring.shape[1]
+    BK: gl.constexpr = w_ring.shape[2]
+    BM: gl.constexpr = _WG_ROWS * CONSUMERS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BN, 32])
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    KB = gl.cdiv(K, BK)
+    n_blocks = gl.cdiv(N, 128)
+    KB_STEPS = _k_steps(K, BK, OVERLAP)
+    r_off = WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    c_off = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    # product buffers carried from tile to tile, so that every MMA writes into registers of a promoted product
+    da = gl.zeros([_WG_ROWS, BN], gl.float32, acc_layout)
+    db = gl.zeros([_WG_ROWS, BN], gl.float32, acc_layout)
+    i = 0
+    first = 0
+    for g in range(G):
+        start, end = _expert_rows(offs_ptr, g, M)
+        m_tiles = gl.cdiv(end - start, BM)
+        last = first + m_tiles * N_TILES
+        for t in range(_first_tile(first, pid, P), last, P):
+            local = t - first
+            rows = start + (local % m_tiles) * BM + r_off
+            n0 = (local // m_tiles) * BN
+            rmask = rows < end
+            srow = g.to(gl.int64) * n_blocks + n0 // 128  # the tile's weight rows are one scale block
+            if OVERLAP:
+                # two products a and b alternate over the K blocks, each promoted while the other's MMA runs
+                # (wait(1): every MMA but the one issued last is done); a group of 2 * PAIRS blocks per iteration
+                # ends with nothing in flight, so that no in-flight product is carried over the loop's back edge
+                acc = gl.zeros([_WG_ROWS, BN], gl.float32, acc_layout)
+                for k0 in range(0, KB_STEPS, 2 * PAIRS):
+                    pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+                    sa = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, k0, KB)
+                    for u in gl.static_range(PAIRS):
+                        pb = _mma_step(x_ring, w_ring, ready, i + 1, db, WG, STAGES)
+                        sb = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, k0 + 2 * u + 1, KB)
+                        da = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
+                        mbarrier.arrive(empty.index(i % STAGES), count=1)
+                        acc = acc + da * sa[:, None]
+                        if u + 1 < PAIRS:
+                            pa = _mma_step(x_ring, w_ring, ready, i + 2, da, WG, STAGES)
+                            sa = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, k0 + 2 * u + 2, KB)
+                            db = warpgroup_mma_wait(num_outstanding=1, deps=(pb, ))
+                        else:
+                            db = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
+                        mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+                        acc = acc + db * sb[:, None]
+                        i += 2
+            else:
+                # each step's scales are loaded a step ahead: their latency hides behind the MMA of the step before
+                s = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, 0, KB)
+                pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+                s_next = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, 1, KB)
+                da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
+                mbarrier.arrive(empty.index(i % STAGES), count=1)
+                acc = da * s[:, None]
+                i += 1
+                for ks in range(1, KB_STEPS):
+                    s = s_next
+                    pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+                    s_next = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, ks + 1, KB)
+                    da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
+                    mbarrier.arrive(empty.index(i % STAGES), count=1)
+                    acc = acc + da * s[:, None]
+                    i += 1
+            if HAS_RS:
+                acc = acc * gl.load(rs_ptr + rows, mask=rmask, other=0.0)[:, None]
+            cols = n0 + c_off
+            ptrs = out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
+            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < N))
+        first = last
+
+
+@gluon.jit
+def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, M, N, K, G, N_TILES,
+                      CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr):
+    """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring)."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    gl.static_assert(BM == _WG_ROWS * CONSUMERS, "a math warpgroup per 64 tile rows")
+    gl.static_assert(128 % BN == 0, "the tile's weight rows lie in one 128-row scale block")
+    x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_desc.layout)
+    w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=CONSUMERS)  # each math warpgroup frees the slot once
+    fence_async_shared()
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+                         0, CONSUMERS, STAGES, OVERLAP, HAS_RS)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+                         1, CONSUMERS, STAGES, OVERLAP, HAS_RS)),
+            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
+                         OVERLAP)),
+        ], [4, 1], [232, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+                         0, CONSUMERS, STAGES, OVERLAP, HAS_RS)),
+            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
+                         OVERLAP)),
+        ], [1], [24])
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+        mbarrier.invalidate(empty.index(j))
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`gluon_fp8_grouped_gemm` cannot run here (the interpreter, no CUDA device, or a GPU that is not
+    sm_90), or None where it can. Gluon itself is there wherever this module imports (Triton 3.6 on)."""
+    from ...triton_runtime import INTERPRETER
+    if INTERPRETER or not torch.cuda.is_available():
+        return "needs an sm_90 GPU (Hopper: wgmma, TMA); none here"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"needs an sm_90 GPU (Hopper: wgmma, TMA); this one is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def available() -> bool:
+    """Whether :func:`gluon_fp8_grouped_gemm` can run here (an sm_90 GPU, no interpreter)."""
+    return unavailable_reason() is None
+
+
+def check_gluon_fp8(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, row_scale: torch.Tensor | None = None,
+                    variant: str = DEFAULT_VARIANT, num_programs: int | None = None) -> None:
+    """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_fp8_grouped_gemm` takes (no device
+    is touched; the device checks come last)."""
+    check(isinstance(w, Fp8Tensor), "type(w)", type(w).__name__, "an Fp8Tensor [G, N, K] (block_rows 128)")
+    w.check("w")
+    check(w.data.dim() == 3, "w.shape", tuple(w.shape), "[G, N, K] (3-D)")
+    check(w.block_rows == 128, "w.block_rows", w.block_rows, "128 (one scale per 128x128 weight block)")
+    check(not w.gate_up, "w.gate_up", w.gate_up, "False (GEMM2's form: no SwiGLU)")
+    G, N, K = w.shape
+    check(G > 0 and N > 0, "w.shape", tuple(w.shape), "G > 0 and N > 0")
+    check(G <= MAX_EXPERTS, "w.shape[0] (G)", G, f"<= {MAX_EXPERTS}")
+    check(K % K_MULTIPLE == 0 and K > 0, "w.shape[2] (K)", K,
+          f"a positive multiple of {K_MULTIPLE} (TMA: the e4m3 rows must be 16-byte multiples)")
+    check(isinstance(x, Fp8Tensor), "type(x)", type(x).__name__, "an Fp8Tensor [M, K] (block_rows 1)")
+    x.check("x")
+    check(x.block_rows == 1 and not x.gate_up, "x.block_rows", x.block_rows, "1 (one scale per row per 128 columns)")
+    check(x.data.dim() == 2 and x.shape[1] == K, "x.shape", tuple(x.shape), f"[M, {K}] (K of w)")
+    check(x.shape[0] < 2**31, "x.shape[0] (M)", x.shape[0], "< 2^31")
+    check(isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int32, "offsets.dtype",
+          getattr(offsets, "dtype", type(offsets).__name__), "torch.int32")
+    check(tuple(offsets.shape) == (G + 1, ), "offsets.shape", tuple(offsets.shape), f"({G + 1},) (G + 1)")
+    if row_scale is not None:
+        check(isinstance(row_scale, torch.Tensor) and row_scale.dtype == torch.float32, "row_scale.dtype",
+              getattr(row_scale, "dtype", type(row_scale).__name__), "torch.float32")
+        check(tuple(row_scale.shape) == (x.shape[0], ), "row_scale.shape", tuple(row_scale.shape),
+              f"({x.shape[0]},) (one weight per row of x)")
+    check(variant in VARIANTS, "variant", variant, " / ".join(VARIANTS))
+    check(num_programs is None or (isinstance(num_programs, int) and num_programs > 0), "num_programs", num_programs,
+          "None or a positive int")
+    check(x.device.type == "cuda" and w.device == x.device, "x.device", str(x.device),
+          f"a CUDA device, the weights' ({w.device})")
+    check(offsets.device == x.device, "offsets.device", str(offsets.device), str(x.device))
+    if row_scale is not None:
+        check(row_scale.device == x.device, "row_scale.device", str(row_scale.device), str(x.device))
+
+
+def gluon_fp8_grouped_gemm(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, *,
+                           row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           variant: str = DEFAULT_VARIANT, num_programs: int | None = None) -> torch.Tensor:
+    """``y[offsets[g]:offsets[g+1]] = promoted FP8 product of x's rows with w[g]^T`` on sm_90a (H100 / H200).
+
+    ``x``: :class:`Fp8Tensor` ``[M, K]`` (``block_rows`` 1: e4m3 codes, fp32 scales ``[M, ceil(K/128)]``), rows
+    sorted by expert. ``w``: :class:`Fp8Tensor` ``[G, N, K]`` (``block_rows`` 128, not ``gate_up``); K a multiple of 16.
+    ``offsets``: int32 ``[G + 1]`` on x's device, nondecreasing in ``[0, M]`` (clamped to it on the device; no host
+    sync). ``row_scale``: optional fp32 ``[M]``, each output row's factor (the routing weight of its slot).
+    Returns bf16 ``[M, N]``: ``out`` (contiguous bf16 of that shape on x's device) or a new ``torch.empty``; rows
+    outside every expert are not written, as with the tl kernel. ``variant``: one of :data:`VARIANTS`.
+    ``num_programs``: the persistent grid (default: the SM count). Bad arguments raise :class:`MoEEpInputError`; a
+    machine without an sm_90 GPU raises :class:`MoEEpConfigError`.
+    """
+    check_gluon_fp8(x, w, offsets, row_scale, variant, num_programs)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise MoEEpConfigError(f"gluon_fp8_grouped_gemm {reason}")
+    G, N, K = w.shape
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    else:
+        check(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and tuple(out.shape) == (M, N)
+              and out.is_contiguous() and out.device == x.device, "out",
+              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
+              f"a contiguous torch.bfloat16 ({M}, {N}) on {x.device}")
+    if M == 0:
+        return out
+    consumers, overlap, block_n, stages = VARIANTS[variant]
+    block_m = WG_ROWS * consumers
+    xq = x.data.contiguous()
+    if xq.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
+        xq = xq.clone()
+    wq = w.data.contiguous().view(G * N, K)
+    lay = shared_layouts(block_m, block_n)
+    x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
+    w_desc = TensorDescriptor.from_tensor(wq, [block_n, BLOCK_K], lay["w"])
+    xs = x.scales.contiguous()
+    ws = w.scales.contiguous()
+    rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    n_tiles = -(-N // block_n)
+    _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws, rs, out, offsets, M, N, K, G, n_tiles,
+                                        CONSUMERS=consumers, OVERLAP=overlap, STAGES=stages,
+                                        HAS_RS=row_scale is not None, num_warps=4)
+    return out
+
+
+def compile_signature(variant: str, has_rs: bool = True) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant, as a launch builds it,
+    for a GPU-less ``triton.compile`` (compile checks)."""
+    consumers, overlap, block_n, stages = VARIANTS[variant]
+    block_m = WG_ROWS * consumers
+    lay = shared_layouts(block_m, block_n)
+    sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, {BLOCK_K}],{lay['x']!r}>",
+           "w_desc": f"tensordesc<fp8e4nv[{block_n}, {BLOCK_K}],{lay['w']!r}>",
+           "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": "*bf16", "offs_ptr": "*i32",
+           "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32", "CONSUMERS": "constexpr",
+           "OVERLAP": "constexpr", "STAGES": "constexpr", "HAS_RS": "constexpr"}
+    return (sig, {"CONSUMERS": consumers, "OVERLAP": overlap, "STAGES": stages, "HAS_RS": has_rs},
+            dict(num_warps=4))
+
+
+__all__ = ["gluon_fp8_grouped_gemm", "check_gluon_fp8", "available", "unavailable_reason", "VARIANTS", "K_MULTIPLE"]

@@ -1,0 +1,166 @@
+"""The Gluon FP8 block-scaled grouped GEMM (moe_ep/kernels/grouped_gemm/gluon_fp8.py) against the fp32 reference and
+the tl FP8 grouped GEMM.
+
+The GPU cases need sm_90 (wgmma, TMA) and run every variant (``gluon_fp8.VARIANTS``) as its own test, so that one
+failing variant does not hide the others. The reference multiplies the dequantized operands (``dequantize_fp8_ref``)
+in fp32: the kernel computes that function up to the summation order (the products of two e4m3 values are exact in
+fp32), the tensor core's FP8 accumulation within one 128-wide K block and the bf16 output: 1e-2 relative, the bound
+tests/test_fp8_gemm.py holds the tl FP8 GEMM to. Against the tl FP8 GEMM on the same operands the bound is the sum of
+the two kernels' bounds, 2e-2 (each is within 1e-2 of the same fp32 result). The bad-input table and the
+no-GPU error run anywhere (the argument checks come before any launch; the device checks last).
+"""
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_ep import MoEEpConfigError, MoEEpInputError, options
+from moe_ep.kernels import grouped_gemm
+from moe_ep.kernels.fp8 import Fp8Tensor
+from moe_ep.kernels.grouped_gemm import gluon_fp8
+from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+from moe_ep.reference import dequantize_fp8_ref, grouped_gemm_ref, quantize_fp8_ref
+from moe_ep.testing.strategies import expert_counts, scaled_values
+
+REF_TOL = 1e-2
+TL_TOL = 2 * REF_TOL
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is built for sm_90 (Hopper)")
+VARIANTS = list(gluon_fp8.VARIANTS)
+
+
+@st.composite
+def fp8_cases(draw):
+    """Ragged prefill-class problems: 1-8 experts, K a multiple of 16 (not always of 128: a short last scale block;
+    one block, or several), N not always a multiple of the tile (nor of the 128-row scale blocks), up to 300 rows
+    per expert (several row tiles), empty experts, rows of no expert before the first offset and after the last,
+    with or without a routing weight per row, values of several magnitudes and exact zeros."""
+    G = draw(st.integers(1, 8))
+    return dict(G=G, K=draw(st.sampled_from([16, 128, 272, 512, 1040])), N=draw(st.sampled_from([8, 64, 200, 384])),
+                counts=draw(expert_counts(G, draw(st.sampled_from([1, 64, 130, 300])))), lead=draw(st.integers(0, 2)),
+                pad=draw(st.integers(0, 3)), row_scale=draw(st.booleans()),
+                scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _problem(c, dev=torch.device("cuda")):
+    """Case c's FP8 operands (quantized by the reference), offsets, covered rows [lead, end), row scale and the fp32
+    reference of the covered rows on the dequantized operands."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    G, N, K = c["G"], c["N"], c["K"]
+    offs = [c["lead"]]
+    for n in c["counts"]:
+        offs.append(offs[-1] + n)
+    M = offs[-1] + c["pad"]
+    x = scaled_values((M, K), c["scale"], c["zero_frac"], gen).to(dev)
+    w = scaled_values((G, N, K), K ** -0.5, c["zero_frac"], gen).to(dev)
+    x8, w8 = Fp8Tensor(*quantize_fp8_ref(x, 1), 1), Fp8Tensor(*quantize_fp8_ref(w, 128), 128)
+    rs = (torch.rand(M, generator=gen) + 0.5).to(dev) if c["row_scale"] else None
+    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+    ref = grouped_gemm_ref(dequantize_fp8_ref(x8.data, x8.scales, 1), dequantize_fp8_ref(w8.data, w8.scales, 128),
+                           offsets=offsets, row_scale=rs)
+    return x8, w8, offsets, (offs[0], offs[-1]), rs, ref[offs[0]:offs[-1]]
+
+
+def _rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _check(c, variant, problem=None, against_tl=True):
+    x8, w8, offsets, (lo, hi), rs, ref = _problem(c) if problem is None else problem
+    M = x8.shape[0]
+    out = torch.full((M, c["N"]), float("nan"), dtype=torch.bfloat16, device=x8.device)  # poisoned
+    got = gluon_fp8.gluon_fp8_grouped_gemm(x8, w8, offsets, row_scale=rs, out=out, variant=variant)
+    assert got is out
+    o = out[lo:hi].float()
+    assert torch.isfinite(o).all(), "a covered row was not written (or is not finite)"
+    err = (o - ref).norm().item()
+    assert err <= REF_TOL * ref.norm().item() + 1e-30, f"{variant}: rel err {_rel_err(o, ref):.3e} > {REF_TOL}"
+    assert torch.isnan(out[:lo].float()).all() and torch.isnan(out[hi:].float()).all(), "rows of no expert written"
+    if against_tl:
+        gemm_plan.clear_cache()
+        with options.override(autotune="off"):  # the first config: no tuning run per drawn shape
+            tl_out = grouped_gemm(x8, w8, offsets=offsets, row_scale=rs)
+        t = tl_out[lo:hi].float()
+        assert (o - t).norm().item() <= TL_TOL * t.norm().item() + 1e-30, (
+            f"{variant}: rel diff to the tl FP8 GEMM {_rel_err(o, t):.3e} > {TL_TOL}")
+
+
+@pytest.mark.gpu
+@hopper_only
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], deadline=None)
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(c=fp8_cases())
+def test_gluon_fp8_matches_reference_and_tl(variant, c):
+    _check(c, variant)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("N,K,rows", [(7168, 2048, 128), (4096, 7168, 128), (7168, 2048, 1024)],
+                         ids=["dsv3-gemm2", "gemm1-sized", "dsv3-gemm2-1024"])
+def test_gluon_fp8_benchmark_shapes(variant, N, K, rows):
+    """The benchmark's shapes (DeepSeek-V3 EP8 rank: 32 experts), routed counts around ``rows`` (one expert empty),
+    with routing weights: against the fp32 reference (the tl GEMM is compared by the property test)."""
+    gen = torch.Generator().manual_seed(3)
+    counts = (torch.rand(32, generator=gen) * 2 * rows).long().tolist()
+    counts[5] = 0
+    c = dict(G=32, N=N, K=K, counts=counts, lead=0, pad=7, row_scale=True, scale=1.0, zero_frac=0.0, seed=1)
+    _check(c, variant, against_tl=False)
+
+
+def _w(G, N, K, block_rows=128, gate_up=False):
+    shape = (N, K) if G is None else (G, N, K)
+    return Fp8Tensor(*quantize_fp8_ref(torch.ones(shape), block_rows, gate_up), block_rows, gate_up)
+
+
+def _x(M, K):
+    return Fp8Tensor(*quantize_fp8_ref(torch.ones(M, K), 1), 1)
+
+
+def _bad_inputs():
+    """(name, arguments for check_gluon_fp8 as a function of a valid set, what the message must name)."""
+    return [
+        ("K not a multiple of 16", lambda a: dict(a, w=_w(2, 64, 136), x=_x(3, 136)), "w.shape[2] (K)"),
+        ("w bf16", lambda a: dict(a, w=torch.zeros(2, 64, 256)), "type(w)"),
+        ("w 2-D", lambda a: dict(a, w=_w(None, 64, 256)), "w.shape"),
+        ("w per-row scales", lambda a: dict(a, w=_w(2, 64, 256, block_rows=1)), "w.block_rows"),
+        ("w gate_up", lambda a: dict(a, w=_w(2, 64, 256, gate_up=True)), "w.gate_up"),
+        ("x bf16", lambda a: dict(a, x=torch.zeros(3, 256, dtype=torch.bfloat16)), "type(x)"),
+        ("x block scales", lambda a: dict(a, x=Fp8Tensor(*quantize_fp8_ref(torch.ones(3, 256), 128), 128)),
+         "x.block_rows"),
+        ("x K mismatch", lambda a: dict(a, x=_x(3, 512)), "x.shape"),
+        ("offsets int64", lambda a: dict(a, offsets=torch.zeros(3, dtype=torch.int64)), "offsets.dtype"),
+        ("offsets length", lambda a: dict(a, offsets=torch.zeros(2, dtype=torch.int32)), "offsets.shape"),
+        ("row_scale bf16", lambda a: dict(a, row_scale=torch.ones(3, dtype=torch.bfloat16)), "row_scale.dtype"),
+        ("row_scale length", lambda a: dict(a, row_scale=torch.ones(4)), "row_scale.shape"),
+        ("unknown variant", lambda a: dict(a, variant="fastest"), "variant"),
+        ("no programs", lambda a: dict(a, num_programs=0), "num_programs"),
+        ("x on the CPU", lambda a: dict(a), "x.device"),  # valid otherwise: only a CUDA device is refused for
+    ]
+
+
+@pytest.mark.parametrize("name,make,what", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
+def test_gluon_fp8_bad_inputs_raise_named_errors(name, make, what):
+    """Each bad argument raises MoEEpInputError naming it (CPU tensors: every row but the last fails before the
+    device check, which comes last)."""
+    args = make(dict(x=_x(3, 256), w=_w(2, 64, 256), offsets=torch.zeros(3, dtype=torch.int32)))
+    with pytest.raises(MoEEpInputError, match="^" + re.escape(what) + " = "):
+        gluon_fp8.check_gluon_fp8(**args)
+
+
+def test_gluon_fp8_without_hopper_raises_config_error(monkeypatch):
+    """Valid arguments on a machine without an sm_90 GPU (or under the interpreter) raise MoEEpConfigError saying
+    why, and ``available()`` says False there; on an H100 / H200 without the interpreter it says True."""
+    if gluon_fp8.unavailable_reason() is None:
+        assert gluon_fp8.available()
+        return
+    assert not gluon_fp8.available()
+    monkeypatch.setattr(gluon_fp8, "check_gluon_fp8", lambda *a, **k: None)  # the CPU tensors pass as valid here
+    with pytest.raises(MoEEpConfigError, match="needs an sm_90 GPU"):
+        gluon_fp8.gluon_fp8_grouped_gemm(_x(3, 256), _w(2, 64, 256), torch.zeros(3, dtype=torch.int32))
