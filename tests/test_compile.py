@@ -23,6 +23,7 @@ KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon
 # line). Each group builds all its items, or its shard's half (--compile-shard, tests/conftest.py).
 GROUPS = {"grouped_gemm": ["grouped_gemm"], "smem": ["smem"],
           "others": [m for m in KERNEL_MODULES if m != "grouped_gemm"]}
+
 SCRIPT = r"""
 import json
 import sys
