@@ -99,12 +99,17 @@ def ht_expert_major(d: HighThroughputExpertMajor, w: ExpertWeights, config: EpCo
 def _gemm_offsets(d: HighThroughputExpertMajor) -> torch.Tensor:
     """The GEMM's ``offsets [L+1]``: the contract's ``expert_offsets [L]`` and the end of the last expert's slots. A
     transport that holds them in one buffer, ``num_recv`` the element right after ``expert_offsets`` (world_one's
-    route does), gives them as one view of it (one torch op, not four)."""
+    route does), gives them as that buffer when ``expert_offsets`` is a view of exactly it (read off the view, no torch
+    op), else as one view of it (one torch op, not four)."""
     eo, n = d.expert_offsets, d.num_recv
     L = eo.shape[0]
     if (n.dim() == 0 and eo.dim() == 1 and eo.stride(0) == 1 and n.dtype is eo.dtype and n.device == eo.device
             and n.untyped_storage().data_ptr() == eo.untyped_storage().data_ptr()
             and n.storage_offset() == eo.storage_offset() + L):
+        base = eo._base  # (the tensor eo was sliced from: a view of it would be the same elements)
+        if base is not None and base.dtype is eo.dtype and base.dim() == 1 and base.shape[0] == L + 1 \
+                and base.stride(0) == 1 and base.storage_offset() == eo.storage_offset():
+            return base
         return eo.as_strided((L + 1,), (1,))
     return torch.cat([eo, eo[-1:] + d.expert_counts[-1:]])
 
