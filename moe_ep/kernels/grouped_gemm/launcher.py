@@ -140,8 +140,11 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
     """
     shape13 = tuple(w13.shape) if isinstance(w13, (torch.Tensor, NvFp4Tensor, Fp8Tensor)) else None
     shape2 = tuple(w2.shape) if isinstance(w2, (torch.Tensor, NvFp4Tensor, Fp8Tensor)) else None
-    check(shape13 is not None and len(shape13) == 3, "w13.shape", shape13, "[G, 2I, H]")
-    check(shape2 is not None and len(shape2) == 3, "w2.shape", shape2, "[G, H, I]")
+    # (if / fail, not check(): this runs on every forward, and a call costs host time)
+    if shape13 is None or len(shape13) != 3:
+        fail("w13.shape", shape13, "[G, 2I, H]")
+    if shape2 is None or len(shape2) != 3:
+        fail("w2.shape", shape2, "[G, H, I]")
     G, I2, H = shape13
     if shape2 != (G, H, I2 // 2):
         fail("w2.shape", shape2, f"{(G, H, I2 // 2)} (from w13 {shape13})")
@@ -307,9 +310,10 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
     with it (w, row_scale and out are checked here)."""
     ragged = offsets is not None
     if first_gemm is None:
-        check((counts is None) != (offsets is None), "(counts, offsets)",
-              ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
-              "exactly one of counts (masked layout) or offsets (ragged layout)")
+        if (counts is None) == (offsets is None):  # (if / fail, not check(): every call runs these)
+            fail("(counts, offsets)", ("tensor" if counts is not None else None,
+                                       "tensor" if offsets is not None else None),
+                 "exactly one of counts (masked layout) or offsets (ragged layout)")
         if type(swiglu) is not bool:
             fail("swiglu", swiglu, "True or False")
         if type(quantize_out) is not bool:
@@ -329,12 +333,14 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
     if wd.device != xd.device:
         fail("w.device", str(wd.device), f"{xd.device} (x's device)")
     G, NW, K = wshape
-    check(G >= 1, "w.shape[0] (G)", G, ">= 1")
-    check(K >= 16 and K % 16 == 0, "w.shape[2] (K)", K, "a positive multiple of 16")
+    if G < 1:
+        fail("w.shape[0] (G)", G, ">= 1")
+    if K < 16 or K % 16:
+        fail("w.shape[2] (K)", K, "a positive multiple of 16")
     if xshape[-1] != K:
         fail("x.shape[-1]", xshape[-1], f"{K} (w's K)")
-    check(NW >= 1 and (not swiglu or NW % 2 == 0), "w.shape[1] (N)", NW,
-          "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
+    if NW < 1 or (swiglu and NW % 2):
+        fail("w.shape[1] (N)", NW, "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
     if quantize_out and not (fp8 and swiglu):
         fail("quantize_out", quantize_out, "False unless x and w are FP8 and swiglu is True")
     if fp8:
