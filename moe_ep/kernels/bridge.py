@@ -497,7 +497,7 @@ def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> t
     if N and H:
         x2, m_x, stride = _as_rows(x)
         offsets = route.offsets  # the kernel reads offsets[L] where it lies: no slice op
-        grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(N, H)
         autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot.contiguous(), offsets,
                           (offsets.shape[0] - 1) * offsets.stride(0), out, N, m_x, H, stride)
     return out
@@ -549,7 +549,7 @@ def _scatter(x: torch.Tensor, slot: torch.Tensor, out: torch.Tensor) -> None:
     N, H = slot.numel(), x.shape[-1]
     if N and H:
         x2, _, stride = _as_rows(x)
-        grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(N, H)
         autotuning.launch(_scatter_rows_kernel, grid, x2, slot, out, N, slot.shape[1], H, stride, out.shape[0])
 
 
@@ -636,7 +636,7 @@ def _unpermute(y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor | None
     H = y.shape[-1]
     if M and H:
         y2, n_y, stride = _as_rows(y)
-        grid = lambda meta: (host_math.cdiv(M, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(M, H)
         autotuning.launch(_unpermute_reduce_kernel, grid, y2, slot, weights if weights is not None else y2, out, M,
                           H, K, n_y, stride, HAS_W=weights is not None)
     return out
