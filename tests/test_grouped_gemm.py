@@ -847,3 +847,19 @@ def test_descriptor_is_from_tensors(dev, shape, K):
     for _ in range(2):  # a box Triton refuses is refused every time
         with pytest.raises(ValueError):
             launcher._descriptor(t, K, (16, 24))
+
+
+@pytest.mark.parametrize("fact, stand_in", [("sm_count", lambda: 12345), ("smem_limit", lambda: 4096),
+                                            ("tma_supported", lambda: False)])
+def test_plan_key_follows_replaced_device_facts(monkeypatch, fact, stand_in):
+    """The device's plan key is kept between calls, yet a device fact replaced (as tests stand in for a device) is
+    seen at once, and the real one again once it is back: plans are never made for a device other than the one
+    described."""
+    real = device_facts.plan_key()
+    assert device_facts.plan_key() is real  # kept: not read again
+    at = {"tma_supported": 1, "smem_limit": 2, "sm_count": 3}[fact]
+    monkeypatch.setattr(device_facts, fact, stand_in)
+    key = device_facts.plan_key()
+    assert key[at] == stand_in() and key[:at] + key[at + 1:] == real[:at] + real[at + 1:]
+    monkeypatch.undo()
+    assert device_facts.plan_key() == real
