@@ -34,7 +34,8 @@ def device_index() -> int:
 def plan_key() -> tuple:
     """(index, TMA supported, shared memory limit, SMs) of the current device: what the grouped GEMM's plan cache
     keys on. Kept per device index and per the functions it is read from (each reads the device's properties: a few
-    microseconds per expert MLP); a caller that replaces one of them (a test's stand-in device) gets a key of its own."""
+    microseconds per expert MLP); a caller that replaces one of them (a test's stand-in device) gets a key of its
+    own."""
     index = device_index()
     made_of = (tma_supported, smem_limit, sm_count, properties, hopper_or_newer)
     kept = _PLAN_KEYS.get(index)
