@@ -33,8 +33,20 @@ def device_index() -> int:
 
 def plan_key() -> tuple:
     """(index, TMA supported, shared memory limit, SMs) of the current device: what the grouped GEMM's plan cache
-    keys on."""
-    return device_index(), tma_supported(), smem_limit(), sm_count()
+    keys on. Kept per device index and per the functions it is read from (each reads the device's properties: a few
+    microseconds per expert MLP); a caller that replaces one of them (a test's stand-in device) gets a key of its
+    own."""
+    index = device_index()
+    made_of = (tma_supported, smem_limit, sm_count, properties, hopper_or_newer)
+    kept = _PLAN_KEYS.get(index)
+    if kept is not None and kept[0] == made_of:
+        return kept[1]
+    key = (index, tma_supported(), smem_limit(), sm_count())
+    _PLAN_KEYS[index] = (made_of, key)
+    return key
+
+
+_PLAN_KEYS: dict = {}  # device index -> (the functions the key was read from, the key)
 
 
 def hopper_or_newer() -> bool:

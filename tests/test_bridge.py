@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_ep.kernels import dequantize_nvfp4, gather_quantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
-from moe_ep.kernels.bridge import _route, permute_rows, route_experts, scatter_rows, unpermute_reduce
+from moe_ep.kernels.bridge import _launch_route, _route, permute_rows, route_experts, scatter_rows, unpermute_reduce
+from moe_ep.kernels.kept_routes import KeptRoutes
 from moe_ep.reference import (padded_slots_ref, permute_rows_ref, route_experts_ref, scatter_rows_ref,
                               slot_weights_ref, unpermute_reduce_ref)
 from moe_ep.testing.strategies import Bounds, make_route, route_cases
@@ -176,6 +177,57 @@ def test_permute_nvfp4_rows_gathers_codes_scales_and_row_scales(case, per_row):
         assert p.global_scale.shape == (M * K,) and torch.equal(p.global_scale[:total], q.global_scale[src])
     else:
         assert torch.equal(p.global_scale, q.global_scale.reshape(-1))
+
+
+def _check_route_and_zeroed_counters(case, kept: bool):
+    """A route with chain counters (the bridged compute's: made by ``_route``, or kept by a ``KeptRoutes`` and launched
+    into twice) has the reference's counts, offsets and slots, and its launch zeroes the counters (set to garbage
+    before it)."""
+    dev = device()
+    idx, L, valid, group = case
+    idx = idx.to(dev).contiguous()
+    valid = valid.to(dev) if valid is not None else None
+    counts, offsets, slot, row_of_slot = route_experts_ref(idx, L, valid, group)
+    if kept:
+        routes = KeptRoutes(idx.numel() + 5, L, dev)
+        r = routes.route(idx)
+        if r is None:  # no picks: nothing kept, the caller allocates its route
+            assert idx.numel() == 0
+            return
+        assert routes.route(idx) is r  # one route per shape of ids, made once
+        launches = 2  # the second launch over the first one's values
+    else:
+        r, launches = _route(idx, L, valid, group or 1, chain_ready=True), 1
+        if idx.numel() == 0:
+            return
+    for _ in range(launches):
+        r.chain_ready.fill_(7)
+        _launch_route(idx, valid, group or 1, L, r, scratch=routes.scratch if kept else None)
+        assert torch.equal(r.chain_ready, torch.zeros(L, dtype=torch.int32, device=dev))
+        assert torch.equal(r.counts, counts)
+        assert torch.equal(r.offsets, offsets)
+        assert torch.equal(r.slot, slot)
+        assert torch.equal(r.row_of_slot, row_of_slot)
+
+
+@given(routes(), st.booleans(), st.booleans())
+def test_route_zeroes_chain_counters_and_kept_routes_match_reference(case, kept, chunks):
+    if chunks:
+        _few_chunks(lambda: _check_route_and_zeroed_counters(case, kept))
+    else:
+        _check_route_and_zeroed_counters(case, kept)
+
+
+def test_kept_routes_are_views_of_one_allocation(dev):
+    """Routes of several shapes share one allocation made at the first route (no torch op later); more picks than
+    the capacity, or none, get no kept route."""
+    routes = KeptRoutes(24, 3, dev)
+    a = routes.route(torch.zeros(4, 2, dtype=torch.int32, device=dev))
+    b = routes.route(torch.zeros(2, 3, 4, dtype=torch.int32, device=dev))
+    assert a.slot.shape == (4, 2) and b.slot.shape == (6, 4) and b.row_of_slot.shape == (24,)
+    assert a.slot.data_ptr() == b.slot.data_ptr() and a.counts is b.counts and a.chain_ready is b.chain_ready
+    assert routes.route(torch.zeros(5, 5, dtype=torch.int32, device=dev)) is None
+    assert routes.route(torch.zeros(0, 2, dtype=torch.int32, device=dev)) is None
 
 
 def test_route_is_deterministic_and_ordered(dev):

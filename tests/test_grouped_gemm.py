@@ -222,10 +222,12 @@ def test_expert_mlp_matches_reference(dev, c):
     _assert_close(out, ref, valid, MLP_TOL)
 
 
-@pytest.mark.parametrize("layout", ["masked", "ragged"])
-def test_expert_mlp_chain(dev, monkeypatch, layout):
+@pytest.mark.parametrize("layout, given_ready", [("masked", False), ("ragged", False), ("ragged", True)])
+def test_expert_mlp_chain(dev, monkeypatch, layout, given_ready):
     """Decode-sized calls chain GEMM2 onto GEMM1 (grouped_gemm/chain.py): GEMM1 counts exactly its tiles per expert
-    (none for an empty one), GEMM2 is told GEMM1's tiling, and the result has the same bits as with the chain off."""
+    (none for an empty one), GEMM2 is told GEMM1's tiling, and the result has the same bits as with the chain off.
+    ``given_ready``: the caller's zeroed counters (``chain_ready``, as the bridge's route gives them) are the ones
+    counted in."""
     links = []
     monkeypatch.setattr(launcher, "Link", lambda *a, **k: links.append(chain.Link(*a, **k)) or links[-1])
     gen = torch.Generator().manual_seed(3)
@@ -237,9 +239,11 @@ def test_expert_mlp_chain(dev, monkeypatch, layout):
     idx = dict(counts=rows) if layout == "masked" else dict(offsets=torch.tensor([0, 5, 5, 13], device=dev))
     xl = x.view(G, M, H) if layout == "masked" else x[:13]
     with options.override(autotune="off"):  # one launch per GEMM (a config search runs GEMM1 once per config)
-        chained, plans = expert_mlp(xl, w13, w2, **idx, return_plan=True)
+        ready = torch.zeros(G, dtype=torch.int32, device=dev) if given_ready else None
+        chained, plans = expert_mlp(xl, w13, w2, **idx, return_plan=True, chain_ready=ready)
         assert [p.chain for p in plans] == ["counts", "waits"]
         first, second = links
+        assert (first.ready is ready) is given_ready
         bm, nt = second.wait
         assert (first.ready.cpu() == (rows.cpu() + bm - 1) // bm * nt).all()
         assert second.ready is first.ready
@@ -443,6 +447,10 @@ def _bad_cases(dev):
         ("w2.shape", lambda: expert_mlp(x, torch.zeros(G, 2 * N, K, dtype=torch.bfloat16, device=dev), w[:, :16],
                                         counts=cnt)),
         ("w13.shape", lambda: expert_mlp(x, w[0], w, counts=cnt)),
+        ("chain_ready", lambda: expert_mlp(x, w, w[:, :, :N // 2], counts=cnt,
+                                           chain_ready=torch.zeros(G, dtype=torch.int64, device=dev))),
+        ("chain_ready", lambda: expert_mlp(x, w, w[:, :, :N // 2], counts=cnt,
+                                           chain_ready=torch.zeros(G + 1, dtype=torch.int32, device=dev))),
     ]
 
 
@@ -839,3 +847,19 @@ def test_descriptor_is_from_tensors(dev, shape, K):
     for _ in range(2):  # a box Triton refuses is refused every time
         with pytest.raises(ValueError):
             launcher._descriptor(t, K, (16, 24))
+
+
+@pytest.mark.parametrize("fact, stand_in", [("sm_count", lambda: 12345), ("smem_limit", lambda: 4096),
+                                            ("tma_supported", lambda: False)])
+def test_plan_key_follows_replaced_device_facts(monkeypatch, fact, stand_in):
+    """The device's plan key is kept between calls, yet a device fact replaced (as tests stand in for a device) is
+    seen at once, and the real one again once it is back: plans are never made for a device other than the one
+    described."""
+    real = device_facts.plan_key()
+    assert device_facts.plan_key() is real  # kept: not read again
+    at = {"tma_supported": 1, "smem_limit": 2, "sm_count": 3}[fact]
+    monkeypatch.setattr(device_facts, fact, stand_in)
+    key = device_facts.plan_key()
+    assert key[at] == stand_in() and key[:at] + key[at + 1:] == real[:at] + real[at + 1:]
+    monkeypatch.undo()
+    assert device_facts.plan_key() == real

@@ -195,6 +195,32 @@ def test_kept_kernels_launch_only_for_their_specialization(triton_, kernel):
 
 
 @triton.jit
+def _row_kernel(t, i, n, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    pass
+
+
+_autotuned_rows = triton.autotune(configs=[triton.Config({"BLOCK_M": 4, "BLOCK_H": 64}),
+                                           triton.Config({"BLOCK_M": 16, "BLOCK_H": 32})], key=["i"])(_row_kernel)
+
+
+def test_block_grid_is_taken_from_the_kept_config(triton_):
+    """A BlockGrid (the bridge's and quantize kernels' grids) launches as many programs as its rows and columns take
+    in the tiles of the config the autotuner picked for the call's key, on the first call (through Triton) and on
+    kept launches alike."""
+    assert launch_cache.BlockGrid(33, 65)({"BLOCK_M": 16, "BLOCK_H": 32}) == (3, 3)
+    assert launch_cache.BlockGrid(32, 64, "BLOCK_K")({"BLOCK_M": 16, "BLOCK_K": 64}) == (2, 1)
+    for _ in range(2):
+        for i in (3, 5, 48, 64):
+            pick = hash((i,)) % 2
+            bm, bh = ((4, 64), (16, 32))[pick]
+            for rows in (1, 16, 17, 100):
+                config = triton_.call(_autotuned_rows, launch_cache.BlockGrid(rows, 100), (_BASE, i, rows), {},
+                                      (_BASE, i, rows, bm, bh), -(-rows // bm))
+                assert config.kwargs["BLOCK_M"] == bm
+    assert triton_.expected[1] > triton_.through  # most launches were the cache's own
+
+
+@triton.jit
 def _default_kernel(t, n, BLOCK: tl.constexpr = 16):
     pass
 

@@ -118,12 +118,17 @@ def _ht_expert_major(offsets_and_end: torch.Tensor, counts: torch.Tensor, split:
                                      expert_counts=counts, topk_weights=torch.ones(S), num_recv=end)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_gemm_offsets_are_expert_offsets_and_their_end(split):
+@pytest.mark.parametrize("held", ["alone", "in_larger", "split"])
+def test_gemm_offsets_are_expert_offsets_and_their_end(held):
     from moe_ep.compute import _gemm_offsets
     counts = torch.tensor([2, 0, 3, 1])
     offsets = torch.tensor([0, 2, 2, 5, 6])
-    got = _gemm_offsets(_ht_expert_major(offsets, counts, split))
+    if held == "in_larger":  # the L + 1 elements inside a larger buffer: a view of them, not the buffer
+        offsets = torch.tensor([9, 0, 2, 2, 5, 6, 9])[1:6]
+    got = _gemm_offsets(_ht_expert_major(offsets, counts, held == "split"))
     assert torch.equal(got, offsets)
-    # one buffer: a view of it (no copy); apart: made from the offsets and the last count
-    assert (got.untyped_storage().data_ptr() == offsets.untyped_storage().data_ptr()) is not split
+    # one buffer: a view of it (no copy), the buffer itself where the offsets were sliced from exactly it; apart:
+    # made from the offsets and the last count
+    assert (got.untyped_storage().data_ptr() == offsets.untyped_storage().data_ptr()) is (held != "split")
+    assert (got is offsets) is (held == "alone")
+    assert got.shape == (5,) and got.storage_offset() == offsets.storage_offset()

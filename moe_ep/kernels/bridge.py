@@ -68,20 +68,23 @@ class Route:
     row_of_slot: torch.Tensor | None  # [M*K] source row of each slot, -1 past offsets[L]
     slot_weight: torch.Tensor | None = None  # float32 [slots]: each valid slot's routing weight
     # (route_experts(weights=))
+    chain_ready: torch.Tensor | None = None  # int32 [L], zeroed by the route's launch: the expert MLP's chain
+    # counters (expert_mlp(chain_ready=)), so no zero-fill op of their own; this package's routes alone have one
 
     def __post_init__(self):
         self.check()
 
     @classmethod
-    def _made(cls, counts, offsets, slot, row_of_slot, slot_weight=None) -> Route:
+    def _made(cls, counts, offsets, slot, row_of_slot, slot_weight=None, chain_ready=None) -> Route:
         """A route of parts made by this module's own code (agreeing by construction): not checked again."""
         r = object.__new__(cls)
         r.counts, r.offsets, r.slot, r.row_of_slot, r.slot_weight = counts, offsets, slot, row_of_slot, slot_weight
+        r.chain_ready = chain_ready
         return r
 
     def check(self) -> None:
         """Raise :class:`MoEEpInputError` unless the given parts are int32 tensors of agreeing shapes on one device."""
-        dims = {"counts": 1, "offsets": 1, "slot": 2, "row_of_slot": 1}
+        dims = {"counts": 1, "offsets": 1, "slot": 2, "row_of_slot": 1, "chain_ready": 1}
         devs = []
         for name, nd in dims.items():
             t = getattr(self, name)
@@ -104,6 +107,8 @@ class Route:
         c, o, sl, r = self.counts, self.offsets, self.slot, self.row_of_slot
         if c is not None and o is not None and o.shape[0] != c.shape[0] + 1:
             fail("route.offsets.shape", tuple(o.shape), f"({c.shape[0] + 1},) (counts + 1)")
+        if c is not None and self.chain_ready is not None and self.chain_ready.shape != c.shape:
+            fail("route.chain_ready.shape", tuple(self.chain_ready.shape), f"{tuple(c.shape)} (counts')")
         if sl is not None and r is not None and r.shape[0] != sl.numel():
             fail("route.row_of_slot.shape", tuple(r.shape), f"({sl.numel()},) (M * K of slot {tuple(sl.shape)})")
 
@@ -161,12 +166,15 @@ def _store_totals(hist, counts_ptr, offsets_ptr, L, LP: tl.constexpr):
 
 @triton.jit
 def _route_place_kernel(idx_ptr, valid_ptr, hist_ptr, counts_ptr, offsets_ptr, slot_ptr, row_of_slot_ptr, C,
-                        N, K, ROWS_PER_GROUP, L, PAD_ROWS, w_ptr, slot_w_ptr, HAS_VALID: tl.constexpr,
-                        ONE_CHUNK: tl.constexpr, PADDED: tl.constexpr, SLOT_W: tl.constexpr, CHUNK: tl.constexpr,
-                        LP: tl.constexpr):
+                        N, K, ROWS_PER_GROUP, L, PAD_ROWS, w_ptr, slot_w_ptr, ready_ptr, HAS_VALID: tl.constexpr,
+                        ONE_CHUNK: tl.constexpr, PADDED: tl.constexpr, SLOT_W: tl.constexpr, ZERO_READY: tl.constexpr,
+                        CHUNK: tl.constexpr, LP: tl.constexpr):
     c = tl.program_id(0)
     i, e = _chunk_bins(idx_ptr, valid_ptr, c, N, K, ROWS_PER_GROUP, L, HAS_VALID, CHUNK)
     b = tl.arange(0, LP)
+    if ZERO_READY:  # the expert MLP's chain counters [L], zeroed here: no zero-fill op of their own per forward
+        if c == 0:
+            tl.store(ready_ptr + b, tl.zeros([LP], tl.int32), mask=b < L)
     if ONE_CHUNK:  # histogram and scan in this program: one launch for decode-sized routes
         hist = tl.histogram(e, LP)
         offs = _store_totals(hist, counts_ptr, offsets_ptr, L, LP)
@@ -278,11 +286,13 @@ def route_experts(topk_idx: torch.Tensor, num_local_experts: int, *, valid_rows:
 
 
 def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, pad_rows: int = 0,
-           weights: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32) -> Route:
+           weights: torch.Tensor | None = None, index_dtype: torch.dtype = torch.int32,
+           chain_ready: bool = False) -> Route:
     """:func:`route_experts` on arguments its caller has checked (contiguous ``idx [..., K]``, its rows flattened;
     ``pad_rows`` 0: ragged), its buffers allocated here. ``index_dtype`` int64: ``counts`` and ``offsets`` written
     as int64 (what HT EXPERT_MAJOR's contract holds; such a route is for this package's own use: :class:`Route` is
-    int32)."""
+    int32). ``chain_ready`` (int32 index type only): the route also has ``chain_ready`` counters, zeroed by its
+    launch."""
     K = idx.shape[-1]
     M = math.prod(idx.shape[:-1])
     dev = idx.device
@@ -290,7 +300,7 @@ def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, 
     # the int32 parts (and the chunked launches' histograms) cut from one allocation: two torch ops, not one per part
     sizes = [M * K] if pad_rows else [M * K, M * K]  # slot (and row_of_slot)
     if index_dtype is torch.int32:
-        sizes += [L, L + 1]
+        sizes += [L, L + 1] + ([L] if chain_ready else [])
     if C > 1:
         sizes.append(C * LP)
     p, n = _pieces(sizes, torch.int32, dev), 1 if pad_rows else 2
@@ -300,7 +310,8 @@ def _route(idx: torch.Tensor, L: int, valid_rows=None, rows_per_group: int = 1, 
     slot_weight = None
     if weights is not None:
         slot_weight = torch.empty(L * pad_rows if pad_rows else M * K, dtype=torch.float32, device=dev)
-    route = Route._made(counts, offsets, slot, row_of_slot, slot_weight)
+    ready = p[n + 2] if chain_ready and index_dtype is torch.int32 else None
+    route = Route._made(counts, offsets, slot, row_of_slot, slot_weight, ready)
     if M * K == 0:
         offsets.zero_()
         counts.zero_()
@@ -339,8 +350,9 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
     ``_ROUTE_ONE_LAUNCH`` ids, else histogram then place over chunks (each placing program scans the histograms).
     ``warps``: the launch width (default: the best measured on the H200; ``benchmarks/bench_route.py`` sweeps it).
     ``pad_rows`` > 0: padded expert-major slots (``route_experts(padded_rows=)``; ``out.row_of_slot`` is not
-    written); ``weights``: contiguous ``[M, K]``, written per slot into ``out.slot_weight``; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]``
-    histograms in between calls (a caller that routes the same shape again). No checks: the caller's."""
+    written); ``weights``: contiguous ``[M, K]``, written per slot into ``out.slot_weight``; ``out.chain_ready``
+    (when it has one) zeroed; ``scratch``: a dict to keep the chunked launches' int32 ``[C, LP]`` histograms in
+    between calls (a caller that routes the same shape again). No checks: the caller's."""
     K = idx.shape[-1]
     N, dev, has_valid = idx.numel(), idx.device, valid_rows is not None
     chunk, C, LP = _route_chunks(N, L)
@@ -351,9 +363,10 @@ def _launch_route(idx, valid_rows, rows_per_group: int, L: int, out: Route, warp
     slot_w = out.slot_weight if weights is not None else counts
     args = (idx, valid_rows if has_valid else counts)
     rest = (N, K, rows_per_group, L)
-    place = (pad_rows, weights if weights is not None else counts, slot_w)
-    flags = dict(HAS_VALID=has_valid, PADDED=pad_rows > 0, SLOT_W=weights is not None, CHUNK=chunk, LP=LP,
-                 num_warps=warps)
+    ready = out.chain_ready
+    place = (pad_rows, weights if weights is not None else counts, slot_w, ready if ready is not None else counts)
+    flags = dict(HAS_VALID=has_valid, PADDED=pad_rows > 0, SLOT_W=weights is not None, ZERO_READY=ready is not None,
+                 CHUNK=chunk, LP=LP, num_warps=warps)
     if C == 1:
         launch_cache.launch(_route_place_kernel, (1,), *args, counts, counts, offsets, slot, row_of_slot, 1, *rest,
                             *place, ONE_CHUNK=True, **flags)
@@ -484,7 +497,7 @@ def _gather(x: torch.Tensor, route: Route, out: torch.Tensor | None = None) -> t
     if N and H:
         x2, m_x, stride = _as_rows(x)
         offsets = route.offsets  # the kernel reads offsets[L] where it lies: no slice op
-        grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(N, H)
         autotuning.launch(_gather_rows_kernel, grid, x2, route.row_of_slot.contiguous(), offsets,
                           (offsets.shape[0] - 1) * offsets.stride(0), out, N, m_x, H, stride)
     return out
@@ -536,7 +549,7 @@ def _scatter(x: torch.Tensor, slot: torch.Tensor, out: torch.Tensor) -> None:
     N, H = slot.numel(), x.shape[-1]
     if N and H:
         x2, _, stride = _as_rows(x)
-        grid = lambda meta: (host_math.cdiv(N, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(N, H)
         autotuning.launch(_scatter_rows_kernel, grid, x2, slot, out, N, slot.shape[1], H, stride, out.shape[0])
 
 
@@ -623,7 +636,7 @@ def _unpermute(y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor | None
     H = y.shape[-1]
     if M and H:
         y2, n_y, stride = _as_rows(y)
-        grid = lambda meta: (host_math.cdiv(M, meta["BLOCK_M"]), host_math.cdiv(H, meta["BLOCK_H"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(M, H)
         autotuning.launch(_unpermute_reduce_kernel, grid, y2, slot, weights if weights is not None else y2, out, M,
                           H, K, n_y, stride, HAS_W=weights is not None)
     return out

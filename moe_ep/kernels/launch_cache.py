@@ -19,7 +19,8 @@ The key is computed by a function generated once per kernel and per tuple of arg
 its binder): one call with the specialization of every argument written out inline, instead of one call per
 argument. What a kept kernel is launched with past the positional arguments (keyword arguments, the autotuner's
 config, the heuristics' values) is fixed by the key and kept with it (the config's keyword arguments too), so a
-launch of a kernel without heuristics and with a tuple grid builds no argument dict and evaluates nothing.
+launch of a kernel without heuristics and with a tuple grid (or a :class:`BlockGrid`, from the kept config) builds no
+argument dict and evaluates nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ _MAX_ENTRIES = 512  # per kernel; a caller meeting more keys than this starts ov
 _I32 = (-2 ** 31, 2 ** 31)
 _I64 = (-2 ** 63, 2 ** 63)
 _UNKNOWN = object()  # a type tuple with a type the key does not know: such calls go through Triton
+
+
+class BlockGrid:
+    """The grid of a row kernel tiled by its config: ``(cdiv(rows, BLOCK_M), cdiv(cols, <col_block>))`` programs.
+    Callable as a Triton grid function; a kept launch evaluates it from the config it kept, without the argument dict
+    a grid function is given (module doc)."""
+    __slots__ = ("rows", "cols", "col_block")
+
+    def __init__(self, rows: int, cols: int, col_block: str = "BLOCK_H"):
+        self.rows, self.cols, self.col_block = rows, cols, col_block
+
+    def __call__(self, meta) -> tuple[int, int]:
+        return -(-self.rows // meta["BLOCK_M"]), -(-self.cols // meta[self.col_block])
 
 
 def _spec_source(t: type, a: str) -> str | None:
@@ -154,8 +168,10 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
         return _through_triton(info, kernel, grid, args, kwargs)[0]
     if entry is None:
         return _first_call(info, kernel, grid, args, kwargs, key)
+    # a BlockGrid of an autotuned kernel reads the kept config alone
+    block_grid = type(grid) is BlockGrid and entry.config_kwargs is not None
     full = None  # the argument dict: only for heuristics, a grid function or a config's pre-hook to read
-    if info.heuristics is not None or callable(grid) or entry.pre_hook is not None:
+    if info.heuristics is not None or (callable(grid) and not block_grid) or entry.pre_hook is not None:
         full = dict(zip(info.names, args))
         full.update(kwargs)
         if entry.config_kwargs is not None:
@@ -167,7 +183,7 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     if entry.pre_hook is not None:
         entry.pre_hook(full)
     run, function, metadata, tail = kept
-    g = grid(full) if callable(grid) else grid
+    g = grid(entry.config_kwargs) if block_grid else grid(full) if callable(grid) else grid
     n = len(g)
     run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, drv.get_current_stream(device), function, metadata,
         None, None, None, *args, *tail)

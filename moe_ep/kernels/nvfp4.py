@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..errors import MoEEpInputError, check, fail
 from ..triton_runtime import COMPILED, check_on_kernel_device
-from . import autotuning, host_math
+from . import autotuning, launch_cache
 # the tensor type and the swizzle are part of this module's API too (imported from here throughout)
 from .nvfp4_tensor import NVFP4_BLOCK, NvFp4Tensor, swizzle_scales, swizzled_scale_shape, unswizzle_scales  # noqa: F401
 _GLOBAL_SCALE_NUMERATOR = 448.0 * 6.0  # E4M3 max x E2M1 max: gs = 2688 / amax puts amax at the top of both
@@ -380,7 +380,7 @@ def _launch_quantize(x2, idx, gs, R, K, rows_per_gs, out_shape, swizzle):
     else:
         scales = torch.empty(*out_shape[:-1], K // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=dev)
     if R > 0:
-        grid = lambda meta: (host_math.cdiv(R, meta["BLOCK_M"]), host_math.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(R, K, "BLOCK_K")
         autotuning.launch(_quantize_kernel, grid, x2, idx if idx is not None else x2, gs, data,
                           scales.view(torch.uint8), R, x2.shape[0], K, x2.stride(0), rows_per_gs, max(slice_rows, 1),
                           slice_cp, autotuning.size_bucket(K), HAS_IDX=idx is not None, SWIZZLE=swizzle)
@@ -491,7 +491,7 @@ def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     rows_per_gs = max(R // gs.numel(), 1) if gs.numel() > 1 else max(R, 1)
     _, slice_rows, slice_cp = _scale_layout(shape, q.swizzled, R)
     if R > 0:
-        grid = lambda meta: (host_math.cdiv(R, meta["BLOCK_M"]), host_math.cdiv(K, meta["BLOCK_K"]))  # noqa: E731
+        grid = launch_cache.BlockGrid(R, K, "BLOCK_K")
         autotuning.launch(_dequantize_kernel, grid, q.data.contiguous(), q.scales.contiguous().view(torch.uint8), gs,
                           out, R, K, rows_per_gs, max(slice_rows, 1), slice_cp, autotuning.size_bucket(K),
                           SWIZZLE=q.swizzled)

@@ -58,9 +58,9 @@ def bridge():
     hist = {**ids, "hist_ptr": "*i32", **shape, "CHUNK": "constexpr", "LP": "constexpr"}
     place = {**ids, "hist_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32", "slot_ptr": "*i32",
              "row_of_slot_ptr": "*i32", "C": "i32", "N": "i32", "K": "i32", "ROWS_PER_GROUP": "i32", "L": "i32",
-             "PAD_ROWS": "i32", "w_ptr": "*fp32", "slot_w_ptr": "*fp32", "HAS_VALID": "constexpr",
-             "ONE_CHUNK": "constexpr", "PADDED": "constexpr", "SLOT_W": "constexpr", "CHUNK": "constexpr",
-             "LP": "constexpr"}
+             "PAD_ROWS": "i32", "w_ptr": "*fp32", "slot_w_ptr": "*fp32", "ready_ptr": "*i32", "HAS_VALID": "constexpr",
+             "ONE_CHUNK": "constexpr", "PADDED": "constexpr", "SLOT_W": "constexpr", "ZERO_READY": "constexpr",
+             "CHUNK": "constexpr", "LP": "constexpr"}
     gather = {"x_ptr": "*bf16", "row_ptr": "*i32", "offsets_ptr": "*i32", "TOTAL_AT": "i32", "out_ptr": "*bf16",
               "N": "i32", "M_X": "i32", "H": "i32", "stride_x": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     red = {"y_ptr": "*bf16", "slot_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "H": "i32",
@@ -72,13 +72,14 @@ def bridge():
 
     def chunk(one):
         return _bridge._ROUTE_ONE_LAUNCH if one else _bridge._ROUTE_CHUNK
+    # (the bridged compute's routes: LL RANK_MAJOR, HT FLAT, fused_moe; ZERO_READY: its chain counters zeroed)
     checks += [(_bridge._route_place_kernel, place, {"HAS_VALID": v, "ONE_CHUNK": one, "PADDED": False,
-                                                     "SLOT_W": False, **big, "CHUNK": chunk(one)})
+                                                     "SLOT_W": False, "ZERO_READY": v, **big, "CHUNK": chunk(one)})
                for v in (False, True) for one in (False, True)]
     # LL EXPERT_MAJOR at world size 1 (padded slots), HT EXPERT_MAJOR (slot weights, int64 counts and offsets)
     wide = dict(place, counts_ptr="*i64", offsets_ptr="*i64", w_ptr="*bf16")
     checks += [(_bridge._route_place_kernel, sig, {"HAS_VALID": False, "ONE_CHUNK": one, "PADDED": pad,
-                                                   "SLOT_W": sw, **big, "CHUNK": chunk(one)})
+                                                   "SLOT_W": sw, "ZERO_READY": False, **big, "CHUNK": chunk(one)})
                for one in (False, True) for pad, sw, sig in ((True, False, place), (False, True, wide))]
     scatter = {"x_ptr": "*bf16", "slot_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "H": "i32",
                "stride_x": "i32", "N_OUT": "i32", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}

@@ -119,7 +119,7 @@ _NO_OUT = object()
 
 def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               m_hint: int | None = None, return_plan: bool = False):
+               m_hint: int | None = None, return_plan: bool = False, chain_ready: torch.Tensor | None = None):
     """Expert SwiGLU MLP ``(silu(x W1^T) * (x W3^T)) W2^T`` per expert: two grouped GEMMs, bf16 in between.
 
     ``w13 [G, 2I, H]`` (gate rows then up rows) and ``w2 [G, H, I]``: bf16 tensors or NvFp4Tensors (global
@@ -134,11 +134,17 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
 
     Decode-sized calls (up to 32 tokens per expert) with bf16 weights chain the two GEMMs: GEMM2 starts on an expert
     as soon as GEMM1 has finished that expert's tiles (``chain.py``; ``MOE_EP_GEMM_CHAIN=off`` turns it off).
+    ``chain_ready``: int32 ``[G]`` zeros on x's device (zeroed by the caller's earlier kernel, e.g. the bridge's route),
+    which the chain then counts in; default (None): a zeroed tensor made here per chained call (one torch op). A call
+    that does not chain leaves it as it is.
     """
     shape13 = tuple(w13.shape) if isinstance(w13, (torch.Tensor, NvFp4Tensor, Fp8Tensor)) else None
     shape2 = tuple(w2.shape) if isinstance(w2, (torch.Tensor, NvFp4Tensor, Fp8Tensor)) else None
-    check(shape13 is not None and len(shape13) == 3, "w13.shape", shape13, "[G, 2I, H]")
-    check(shape2 is not None and len(shape2) == 3, "w2.shape", shape2, "[G, H, I]")
+    # (if / fail, not check(): this runs on every forward, and a call costs host time)
+    if shape13 is None or len(shape13) != 3:
+        fail("w13.shape", shape13, "[G, 2I, H]")
+    if shape2 is None or len(shape2) != 3:
+        fail("w2.shape", shape2, "[G, H, I]")
     G, I2, H = shape13
     if shape2 != (G, H, I2 // 2):
         fail("w2.shape", shape2, f"{(G, H, I2 // 2)} (from w13 {shape13})")
@@ -156,9 +162,15 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
     decode = len(xshape) in (2, 3) and G >= 1 and \
         m_bucket(_tokens_per_expert(xshape, offsets is not None, G, m_hint)) <= DECODE_MAX_M
     chained = decode and isinstance(w13, torch.Tensor) and chain_enabled()
-    first = Link(pdl=dependent_launch_supported()) if chained else None
     env = plans.environment()  # one for both GEMMs
     call1 = _check(x, w13, counts, offsets, True, None, None, m_hint, fp8)
+    if chain_ready is not None and not (type(chain_ready) is torch.Tensor and chain_ready.dtype is torch.int32
+                                        and chain_ready.shape == (G,) and chain_ready.device == call1.xd.device
+                                        and chain_ready.is_contiguous()):
+        fail("chain_ready", f"{getattr(chain_ready, 'dtype', type(chain_ready).__name__)} "
+             f"{tuple(getattr(chain_ready, 'shape', ()))} on {getattr(chain_ready, 'device', None)}",
+             f"None or a contiguous int32 tensor [{G}] of zeros on {call1.xd.device} (x's device)")
+    first = Link(chain_ready, pdl=dependent_launch_supported()) if chained else None
     p1 = _launch(call1, _plan(call1, first, None, env), first)
     h = call1.out
     second = None
@@ -298,9 +310,10 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
     with it (w, row_scale and out are checked here)."""
     ragged = offsets is not None
     if first_gemm is None:
-        check((counts is None) != (offsets is None), "(counts, offsets)",
-              ("tensor" if counts is not None else None, "tensor" if offsets is not None else None),
-              "exactly one of counts (masked layout) or offsets (ragged layout)")
+        if (counts is None) == (offsets is None):  # (if / fail, not check(): every call runs these)
+            fail("(counts, offsets)", ("tensor" if counts is not None else None,
+                                       "tensor" if offsets is not None else None),
+                 "exactly one of counts (masked layout) or offsets (ragged layout)")
         if type(swiglu) is not bool:
             fail("swiglu", swiglu, "True or False")
         if type(quantize_out) is not bool:
@@ -320,12 +333,14 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
     if wd.device != xd.device:
         fail("w.device", str(wd.device), f"{xd.device} (x's device)")
     G, NW, K = wshape
-    check(G >= 1, "w.shape[0] (G)", G, ">= 1")
-    check(K >= 16 and K % 16 == 0, "w.shape[2] (K)", K, "a positive multiple of 16")
+    if G < 1:
+        fail("w.shape[0] (G)", G, ">= 1")
+    if K < 16 or K % 16:
+        fail("w.shape[2] (K)", K, "a positive multiple of 16")
     if xshape[-1] != K:
         fail("x.shape[-1]", xshape[-1], f"{K} (w's K)")
-    check(NW >= 1 and (not swiglu or NW % 2 == 0), "w.shape[1] (N)", NW,
-          "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
+    if NW < 1 or (swiglu and NW % 2):
+        fail("w.shape[1] (N)", NW, "an even number >= 2 (gate rows then up rows)" if swiglu else ">= 1")
     if quantize_out and not (fp8 and swiglu):
         fail("quantize_out", quantize_out, "False unless x and w are FP8 and swiglu is True")
     if fp8:
