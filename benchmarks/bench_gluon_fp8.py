@@ -16,15 +16,13 @@ From the repository root, on an H100 / H200:
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import traceback
 
 import torch
 
 import moe_ep  # noqa: F401  (before triton)
-import triton  # noqa: E402
 from moe_ep import options  # noqa: E402
+from moe_ep.commands.bench_rows import run_rows  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph  # noqa: E402
 from moe_ep.kernels import grouped_gemm  # noqa: E402
@@ -102,23 +100,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_gluon_fp8.json", help="full results as JSON")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    dev_name = torch.cuda.get_device_name()
-    print(f"device {dev_name}, capability {torch.cuda.get_device_capability()}, triton {triton.__version__}, "
-          f"torch {torch.__version__}", flush=True)
-    rows = []
-    for shape in SHAPES:
-        try:
-            r = run_row(*shape)
-        except Exception:  # noqa: BLE001  (a row whose operands could not be made: the next shape still runs)
-            r = {"shape": shape[0], "N": shape[1], "K": shape[2], "rows_per_expert": shape[3],
-                 "row_error": traceback.format_exc()[-2000:]}
-            print(f"  {shape}: failed: {_error_line(r['row_error'])}", flush=True)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-        with open(args.out, "w") as f:  # after every row: a run cut short still leaves the rows it finished
-            json.dump({"device": dev_name, "triton": triton.__version__, "rows": rows}, f, indent=1)
+    rows = run_rows(SHAPES, run_row, args.out, lambda shape: dict(zip(("shape", "N", "K", "rows_per_expert"), shape)))
 
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"

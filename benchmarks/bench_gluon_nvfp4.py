@@ -18,15 +18,13 @@ From the repository root, on an H100 / H200:
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import traceback
 
 import torch
 
 import moe_ep  # noqa: F401  (before triton)
-import triton  # noqa: E402
 from moe_ep import options  # noqa: E402
+from moe_ep.commands.bench_rows import run_rows  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 from moe_ep.kernels import grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
@@ -106,18 +104,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_gluon_nvfp4.json", help="full results as JSON")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    dev_name = torch.cuda.get_device_name()
-    print(f"device {dev_name}, capability {torch.cuda.get_device_capability()}, triton {triton.__version__}, "
-          f"torch {torch.__version__}", flush=True)
-    rows = []
-    for shape in SHAPES:
-        r = run_row(*shape)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-        with open(args.out, "w") as f:  # after every row: a run cut short still leaves the rows it finished
-            json.dump({"device": dev_name, "triton": triton.__version__, "rows": rows}, f, indent=1)
+    rows = run_rows(SHAPES, run_row, args.out,
+                    lambda shape: dict(zip(("shape", "experts", "N", "K", "tokens_per_expert"), shape)))
 
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"
@@ -127,6 +115,9 @@ def main():
     print(f"\n{'shape':34} {'tok/e':>5} {'gluon':>8} {'gl plain':>8} {'tl':>8} {'read':>8} {'byteflr':>8} {'gl/tl':>6} "
           f"{'gl/read':>7} {'err gl':>8} {'err tl':>8}")
     for r in rows:
+        if "row_error" in r:
+            print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} failed: {r['row_error'].strip().splitlines()[-1]}")
+            continue
         gl_us, tl_us, rd = r.get("gluon_us"), r.get("tl_us"), r["read_weights_us"]
         print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} {f(gl_us):>8} {f(r.get('gluon_plain_us')):>8} "
               f"{f(tl_us):>8} {f(rd):>8} "

@@ -55,6 +55,17 @@ def hopper_or_newer() -> bool:
     return props is not None and props.major >= 9
 
 
+def sm90_unavailable_reason() -> str | None:
+    """Why a Hopper-only kernel (sm_90a: wgmma, TMA; the Gluon fast paths) cannot run here: the interpreter, no CUDA
+    device, or a GPU of another capability; None where it can. Asked afresh on every call (not cached)."""
+    if INTERPRETER or not torch.cuda.is_available():
+        return "needs an sm_90 GPU (Hopper: wgmma, TMA); none here"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"needs an sm_90 GPU (Hopper: wgmma, TMA); this one is sm_{cap[0]}{cap[1]}"
+    return None
+
+
 def tma_supported() -> bool:
     """Whether bf16 tiles can be loaded by TMA here: Hopper or newer (or the interpreter, which runs the same
     tensor-descriptor code)."""

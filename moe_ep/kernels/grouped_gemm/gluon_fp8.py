@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ... import device_facts
 from ...errors import MoEEpConfigError, check
 from ..fp8 import FP8_BLOCK, Fp8Tensor
 
@@ -275,15 +276,9 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr,
 
 
 def unavailable_reason() -> str | None:
-    """Why :func:`gluon_fp8_grouped_gemm` cannot run here (the interpreter, no CUDA device, or a GPU that is not
-    sm_90), or None where it can. Gluon itself is there wherever this module imports (Triton 3.6 on)."""
-    from ...triton_runtime import INTERPRETER
-    if INTERPRETER or not torch.cuda.is_available():
-        return "needs an sm_90 GPU (Hopper: wgmma, TMA); none here"
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return f"needs an sm_90 GPU (Hopper: wgmma, TMA); this one is sm_{cap[0]}{cap[1]}"
-    return None
+    """Why :func:`gluon_fp8_grouped_gemm` cannot run here, or None where it can: it needs an sm_90 GPU
+    (:func:`device_facts.sm90_unavailable_reason`)."""
+    return device_facts.sm90_unavailable_reason()
 
 
 def available() -> bool:

@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ... import device_facts
 from ...errors import check
 from ..nvfp4_tensor import NvFp4Tensor
 from .fp4_decode import _FP4_ASM  # the tl kernel's register decode: 4 codes of 2 words -> 4 bf16x2, one fma each
@@ -245,15 +246,9 @@ def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N,
 
 
 def unavailable_reason() -> str | None:
-    """Why :func:`gluon_nvfp4_grouped_gemm` cannot run here (no CUDA device, the interpreter, or a GPU that is not
-    sm_90), or None where it can."""
-    from ...triton_runtime import INTERPRETER
-    if INTERPRETER or not torch.cuda.is_available():
-        return "needs an sm_90 GPU (Hopper: wgmma, TMA); none here"
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return f"needs an sm_90 GPU (Hopper: wgmma, TMA); this one is sm_{cap[0]}{cap[1]}"
-    return None
+    """Why :func:`gluon_nvfp4_grouped_gemm` cannot run here, or None where it can: it needs an sm_90 GPU
+    (:func:`device_facts.sm90_unavailable_reason`)."""
+    return device_facts.sm90_unavailable_reason()
 
 
 def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,

@@ -1,0 +1,34 @@
+"""The row loop of the GPU studies in ``benchmarks/``: one row per shape, each measured on its own (a row that raises
+is kept with its error, and the next shape still runs), printed as a JSON line and written to the output file after
+every row, so that a run cut short (a call's time limit) still leaves the rows it finished."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+
+def run_rows(shapes, run_row, out: str, failed_row=lambda shape: {"shape": list(shape)}) -> list[dict]:
+    """``run_row(*shape)`` (a dict) for each of ``shapes`` on this CUDA GPU (exits saying so without one); a row that
+    raises becomes ``failed_row(shape)`` with its ``row_error``. After each row the file ``out`` holds
+    ``{"device", "triton", "rows"}``. Returns the rows."""
+    import torch
+    import triton
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    device = torch.cuda.get_device_name()
+    print(f"device {device}, capability {torch.cuda.get_device_capability()}, triton {triton.__version__}, "
+          f"torch {torch.__version__}", flush=True)
+    rows = []
+    for shape in shapes:
+        try:
+            row = run_row(*shape)
+        except Exception:  # noqa: BLE001  (kept in its row: the next shape still runs)
+            row = {**failed_row(shape), "row_error": traceback.format_exc()[-2000:]}
+            print(f"  {shape}: failed: {row['row_error'].strip().splitlines()[-1][:300]}", flush=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(out, "w") as f:
+            json.dump({"device": device, "triton": triton.__version__, "rows": rows}, f, indent=1)
+    return rows
