@@ -386,6 +386,18 @@ def test_fuzz_default_through_the_interpreter_ends_soon(tmp_path, monkeypatch, c
     assert f"at most {fuzz.CPU_EXAMPLES} example(s), 30 s" in capsys.readouterr().out
 
 
+def test_fuzz_default_on_a_gpu_stops_each_target_at_its_examples_or_its_seconds(monkeypatch):
+    """On a GPU a default run takes the fuzz profile's examples per target, but no target longer than
+    GPU_SECONDS_PER_TARGET (so a default run ends in minutes on any GPU); limits the caller gave are kept as given."""
+    from moe_ep.commands import fuzz
+    monkeypatch.setattr(fuzz, "INTERPRETER", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = argparse.Namespace(examples=None, seconds=None)
+    assert fuzz.default_limits(args) == (2000, fuzz.GPU_SECONDS_PER_TARGET) and fuzz.GPU_SECONDS_PER_TARGET <= 60
+    assert fuzz.default_limits(argparse.Namespace(examples=10000, seconds=None)) == (10000, None)
+    assert fuzz.default_limits(argparse.Namespace(examples=None, seconds=600.0)) == (None, None)
+
+
 def test_fuzz_ctrl_c_prints_what_ran_and_failed(tmp_path, monkeypatch, capsys):
     calls = []
 

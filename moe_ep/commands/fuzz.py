@@ -53,9 +53,11 @@ from .common import name_list, print_table, progress
 # --- the runner ----------------------------------------------------------------------------------------------
 
 # through the interpreter an example costs up to seconds of Python: without --examples / --seconds a run there stops
-# each target at whichever of these comes first (a GPU run takes the fuzz profile's examples)
+# each target at whichever of these comes first; a GPU run takes the fuzz profile's examples, or this long per target
+# if they take longer (so a default run ends in minutes whatever the GPU: a slow target does not hold up the others)
 CPU_EXAMPLES = 25
 CPU_SECONDS_PER_TARGET = 30.0
+GPU_SECONDS_PER_TARGET = 60.0
 
 
 def add_arguments(parser) -> None:
@@ -63,7 +65,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--examples", type=int, default=None, help="examples per target (default: the fuzz "
                         f"profile's 2000 on a GPU, {CPU_EXAMPLES} through the interpreter; unbounded with --seconds)")
     parser.add_argument("--seconds", type=float, default=None, help="total time, split evenly over the targets "
-                        f"(default: none on a GPU, {CPU_SECONDS_PER_TARGET:.0f} s per target through the interpreter)")
+                        f"(default: at most {GPU_SECONDS_PER_TARGET:.0f} s per target on a GPU, "
+                        f"{CPU_SECONDS_PER_TARGET:.0f} s through the interpreter)")
     parser.add_argument("--sizes", choices=sorted(S.BOUNDS), default=None,
                         help="case sizes (default: gpu on a GPU, tiny through the interpreter)")
     parser.add_argument("--database", default=None,
@@ -102,13 +105,14 @@ def _repro_command(args, target: str, blob: str | None, db: str, sizes: str) -> 
 
 
 def default_limits(args) -> tuple[int | None, float | None]:
-    """(examples per target, seconds per target or None) when the caller gave neither: the fuzz profile's examples on
-    a GPU; through the interpreter :data:`CPU_EXAMPLES` or :data:`CPU_SECONDS_PER_TARGET`, whichever comes first."""
+    """(examples per target, seconds per target or None) when the caller gave neither, whichever comes first: the fuzz
+    profile's examples or :data:`GPU_SECONDS_PER_TARGET` on a GPU; through the interpreter :data:`CPU_EXAMPLES` or
+    :data:`CPU_SECONDS_PER_TARGET`."""
     if args.examples is not None or args.seconds is not None:
         return args.examples, None
     if INTERPRETER or not torch.cuda.is_available():
         return CPU_EXAMPLES, CPU_SECONDS_PER_TARGET
-    return settings.get_profile(FUZZ).max_examples, None
+    return settings.get_profile(FUZZ).max_examples, GPU_SECONDS_PER_TARGET
 
 
 def run_target(name: str, args, sizes: str, db: str, budget_s: float | None, dev, examples: int | None = None,
