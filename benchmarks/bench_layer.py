@@ -27,7 +27,7 @@ import torch
 import triton
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
-from moe_ep.commands.timing import time_graph, time_loop
+from moe_ep.commands.timing import time_graph, time_host_idle, time_loop
 from moe_ep.kernels import grouped_gemm
 from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
 
@@ -89,7 +89,8 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     w = torch.rand(B, K, device=dev)
     fwd = lambda: layer(x, idx, w, validate=False)  # noqa: E731
     t_fwd = time_loop(fwd)
-    r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": t_fwd.device * 1e6, "host_us": t_fwd.host * 1e6}
+    r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": t_fwd.device * 1e6, "host_us": t_fwd.host * 1e6,
+         "host_idle_us": time_host_idle(fwd) * 1e6}
     if args.profile:  # where the host time of an eager forward goes: host syncs, then functions by own time
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as syncs:
@@ -206,7 +207,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
-    cols = ["dispatch_us", "bridge_us", "gemm1_us", "gemm2_us", "combine_us", "forward_us", "host_us",
+    cols = ["dispatch_us", "bridge_us", "gemm1_us", "gemm2_us", "combine_us", "forward_us", "host_us", "host_idle_us",
             "graph_forward_us", "graph_host_us", "graph_inplace_host_us", "graph_replay_host_us", "weight_floor_us",
             "flop_floor_us"]
     heads = [c.replace("_us", "").replace("graph_", "g.").replace("inplace_", "inpl.").replace("replay_", "rpl.")

@@ -310,9 +310,21 @@ def test_timing_without_a_gpu_is_one_wall_clock_call_in_seconds():
         time.sleep(0.02)
     ours, peer, how = timing.time_pair(nap, nap)
     loop = timing.time_loop(nap, iters=5, warmup=2)
-    for t in (timing.time_call(nap), timing.time_graph(nap), ours, peer, loop.device, loop.host):
+    idle = timing.time_host_idle(nap, iters=5, warmup=2)
+    for t in (timing.time_call(nap), timing.time_graph(nap), ours, peer, loop.device, loop.host, idle):
         assert 0.02 <= t < 1.0, t
-    assert how == "eager" and len(calls) == 5  # one call each: through the interpreter a call costs seconds
+    assert how == "eager" and len(calls) == 6  # one call each: through the interpreter a call costs seconds
+
+
+@pytest.mark.gpu
+def test_host_time_onto_an_idle_gpu_leaves_out_the_queue_of_earlier_work():
+    """A call that enqueues a long GPU job: onto an idle GPU its host time is the enqueueing alone, far under the
+    job's GPU time (the sync before each call is not counted)."""
+    from moe_ep.commands import timing
+    a = torch.randn(4096, 4096, device="cuda")
+    job = lambda: a @ a  # noqa: E731  (a few ms of GPU time, microseconds to enqueue)
+    gpu = timing.time_loop(job, iters=5).device
+    assert timing.time_host_idle(job, iters=5) < gpu / 5
 
 
 # --- the CLI with its defaults (issue 23) ---------------------------------------------------------------------

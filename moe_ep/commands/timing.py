@@ -6,6 +6,7 @@
   without the host's launches in the way, which eager timing of a small kernel would measure instead.
 * :func:`time_loop`: a fixed number of back-to-back calls, device time by CUDA events and host time to enqueue
   them: what a user's eager forward costs, and the way to time collectives (every rank makes the same calls).
+  :func:`time_host_idle`: the host time of one call onto an idle GPU (median), free of the driver's back-pressure.
 * :func:`time_read`: a plain streaming read of the same bytes, the practical byte ceiling of a memory-bound
   kernel in the same run (DESIGN.md: a floor is measured, not assumed).
 
@@ -126,6 +127,25 @@ def time_loop(fn, *, iters: int = 20, warmup: int = 1, barrier: bool = False) ->
     end.record()
     torch.cuda.synchronize()
     return LoopTime(start.elapsed_time(end) * 1e-3 / iters, host / iters)
+
+
+def time_host_idle(fn, *, iters: int = 20, warmup: int = 1) -> float:
+    """Median host seconds of one call of ``fn`` enqueued onto an idle GPU (synchronized before each call, the sync
+    not timed): what a call costs the host before it can go on, with no queue of earlier work for the driver to
+    push back with (which :func:`time_loop`'s back-to-back host time can meet when the GPU time per call is long).
+    Without a GPU: one call by the wall clock."""
+    if not _on_gpu():
+        return _wall_once(fn)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 # --- the read floor ----------------------------------------------------------------------------------------
