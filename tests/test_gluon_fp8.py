@@ -15,88 +15,27 @@ import re
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from moe_ep import MoEEpConfigError, MoEEpInputError, options
-from moe_ep.kernels import grouped_gemm
+from moe_ep import MoEEpConfigError, MoEEpInputError
 from moe_ep.kernels.fp8 import Fp8Tensor
 from moe_ep.kernels.grouped_gemm import gluon_fp8
-from moe_ep.kernels.grouped_gemm import plan as gemm_plan
-from moe_ep.reference import dequantize_fp8_ref, grouped_gemm_ref, quantize_fp8_ref
-from moe_ep.testing.strategies import expert_counts, scaled_values
-
-REF_TOL = 1e-2
-TL_TOL = 2 * REF_TOL
+from moe_ep.reference import quantize_fp8_ref
+from moe_ep.testing.properties import check_gluon_fp8_gemm
+from moe_ep.testing.strategies import gluon_fp8_cases
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is built for sm_90 (Hopper)")
 VARIANTS = list(gluon_fp8.VARIANTS)
-
-
-@st.composite
-def fp8_cases(draw):
-    """Ragged prefill-class problems: 1-8 experts, K a multiple of 16 (not always of 128: a short last scale block;
-    one block, or several), N not always a multiple of the tile (nor of the 128-row scale blocks), up to 300 rows
-    per expert (several row tiles), empty experts, rows of no expert before the first offset and after the last,
-    with or without a routing weight per row, values of several magnitudes and exact zeros."""
-    G = draw(st.integers(1, 8))
-    return dict(G=G, K=draw(st.sampled_from([16, 128, 272, 512, 1040])), N=draw(st.sampled_from([8, 64, 200, 384])),
-                counts=draw(expert_counts(G, draw(st.sampled_from([1, 64, 130, 300])))), lead=draw(st.integers(0, 2)),
-                pad=draw(st.integers(0, 3)), row_scale=draw(st.booleans()),
-                scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
-                seed=draw(st.integers(0, 2**31 - 1)))
-
-
-def _problem(c, dev=torch.device("cuda")):
-    """Case c's FP8 operands (quantized by the reference), offsets, covered rows [lead, end), row scale and the fp32
-    reference of the covered rows on the dequantized operands."""
-    gen = torch.Generator().manual_seed(c["seed"])
-    G, N, K = c["G"], c["N"], c["K"]
-    offs = [c["lead"]]
-    for n in c["counts"]:
-        offs.append(offs[-1] + n)
-    M = offs[-1] + c["pad"]
-    x = scaled_values((M, K), c["scale"], c["zero_frac"], gen).to(dev)
-    w = scaled_values((G, N, K), K ** -0.5, c["zero_frac"], gen).to(dev)
-    x8, w8 = Fp8Tensor(*quantize_fp8_ref(x, 1), 1), Fp8Tensor(*quantize_fp8_ref(w, 128), 128)
-    rs = (torch.rand(M, generator=gen) + 0.5).to(dev) if c["row_scale"] else None
-    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
-    ref = grouped_gemm_ref(dequantize_fp8_ref(x8.data, x8.scales, 1), dequantize_fp8_ref(w8.data, w8.scales, 128),
-                           offsets=offsets, row_scale=rs)
-    return x8, w8, offsets, (offs[0], offs[-1]), rs, ref[offs[0]:offs[-1]]
-
-
-def _rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def _check(c, variant, problem=None, against_tl=True):
-    x8, w8, offsets, (lo, hi), rs, ref = _problem(c) if problem is None else problem
-    M = x8.shape[0]
-    out = torch.full((M, c["N"]), float("nan"), dtype=torch.bfloat16, device=x8.device)  # poisoned
-    got = gluon_fp8.gluon_fp8_grouped_gemm(x8, w8, offsets, row_scale=rs, out=out, variant=variant)
-    assert got is out
-    o = out[lo:hi].float()
-    assert torch.isfinite(o).all(), "a covered row was not written (or is not finite)"
-    err = (o - ref).norm().item()
-    assert err <= REF_TOL * ref.norm().item() + 1e-30, f"{variant}: rel err {_rel_err(o, ref):.3e} > {REF_TOL}"
-    assert torch.isnan(out[:lo].float()).all() and torch.isnan(out[hi:].float()).all(), "rows of no expert written"
-    if against_tl:
-        gemm_plan.clear_cache()
-        with options.override(autotune="off"):  # the first config: no tuning run per drawn shape
-            tl_out = grouped_gemm(x8, w8, offsets=offsets, row_scale=rs)
-        t = tl_out[lo:hi].float()
-        assert (o - t).norm().item() <= TL_TOL * t.norm().item() + 1e-30, (
-            f"{variant}: rel diff to the tl FP8 GEMM {_rel_err(o, t):.3e} > {TL_TOL}")
+CUDA = torch.device("cuda")
 
 
 @pytest.mark.gpu
 @hopper_only
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], deadline=None)
 @pytest.mark.parametrize("variant", VARIANTS)
-@given(c=fp8_cases())
+@given(c=gluon_fp8_cases())
 def test_gluon_fp8_matches_reference_and_tl(variant, c):
-    _check(c, variant)
+    check_gluon_fp8_gemm(dict(c, variant=variant), CUDA)  # every variant its own test, whichever the case drew
 
 
 @pytest.mark.gpu
@@ -110,8 +49,9 @@ def test_gluon_fp8_benchmark_shapes(variant, N, K, rows):
     gen = torch.Generator().manual_seed(3)
     counts = (torch.rand(32, generator=gen) * 2 * rows).long().tolist()
     counts[5] = 0
-    c = dict(G=32, N=N, K=K, counts=counts, lead=0, pad=7, row_scale=True, scale=1.0, zero_frac=0.0, seed=1)
-    _check(c, variant, against_tl=False)
+    c = dict(G=32, N=N, K=K, counts=counts, lead=0, pad=7, row_scale=True, scale=1.0, zero_frac=0.0, seed=1,
+             variant=variant)
+    check_gluon_fp8_gemm(c, CUDA, against_tl=False)
 
 
 def _w(G, N, K, block_rows=128, gate_up=False):

@@ -276,6 +276,70 @@ def gluon_nvfp4_unavailable() -> str | None:
     return gluon_nvfp4.unavailable_reason()
 
 
+GLUON_FP8_TL_TOL = 2 * GEMM_TOL
+"""The Gluon FP8 GEMM against the tl FP8 GEMM on the same operands: the sum of the two kernels' bounds (each within
+:data:`GEMM_TOL` of the same fp32 result)."""
+
+
+def gluon_fp8_problem(c: dict, dev):
+    """A :func:`~.strategies.gluon_fp8_cases` case's FP8 operands (quantized by the reference), offsets, the covered
+    rows ``(lo, hi)``, the row scale (or None) and the fp32 reference of the covered rows on the dequantized
+    operands."""
+    from ..kernels.fp8 import Fp8Tensor
+    from ..reference import dequantize_fp8_ref, grouped_gemm_ref, quantize_fp8_ref
+    gen = torch.Generator().manual_seed(c["seed"])
+    G, N, K = c["G"], c["N"], c["K"]
+    offs = [c["lead"]]
+    for n in c["counts"]:
+        offs.append(offs[-1] + n)
+    M = offs[-1] + c["pad"]
+    x = S.scaled_values((M, K), c["scale"], c["zero_frac"], gen).to(dev)
+    w = S.scaled_values((G, N, K), K ** -0.5, c["zero_frac"], gen).to(dev)
+    x8, w8 = Fp8Tensor(*quantize_fp8_ref(x, 1), 1), Fp8Tensor(*quantize_fp8_ref(w, 128), 128)
+    rs = (torch.rand(M, generator=gen) + 0.5).to(dev) if c["row_scale"] else None
+    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+    ref = grouped_gemm_ref(dequantize_fp8_ref(x8.data, x8.scales, 1), dequantize_fp8_ref(w8.data, w8.scales, 128),
+                           offsets=offsets, row_scale=rs)
+    return x8, w8, offsets, (offs[0], offs[-1]), rs, ref[offs[0]:offs[-1]]
+
+
+def check_gluon_fp8_gemm(c: dict, dev, problem=None, against_tl: bool = True) -> None:
+    """The Gluon FP8 block-scaled grouped GEMM (sm_90a) of a :func:`~.strategies.gluon_fp8_cases` case in its variant,
+    into a NaN-poisoned bf16 output: the covered rows finite and within :data:`GEMM_TOL` of the fp32 reference on the
+    dequantized operands (the products of two e4m3 values are exact in fp32: the kernel computes that function up
+    to the summation order, the tensor core's FP8 accumulation within one 128-wide K block and the bf16 output),
+    within :data:`GLUON_FP8_TL_TOL` of the tl FP8 GEMM (``against_tl``), and the rows of no expert left unwritten.
+    ``problem``: :func:`gluon_fp8_problem`'s tuple, when the caller made it."""
+    from .. import options
+    from ..kernels import grouped_gemm
+    from ..kernels.grouped_gemm import gluon_fp8
+    from ..kernels.grouped_gemm import plan as gemm_plan
+    x8, w8, offsets, (lo, hi), rs, ref = gluon_fp8_problem(c, dev) if problem is None else problem
+    variant = c["variant"]
+    out = torch.full((x8.shape[0], c["N"]), float("nan"), dtype=torch.bfloat16, device=x8.device)
+    got = gluon_fp8.gluon_fp8_grouped_gemm(x8, w8, offsets, row_scale=rs, out=out, variant=variant)
+    assert got is out, "gluon_fp8_grouped_gemm did not return its out= tensor"
+    o = out[lo:hi].float()
+    assert torch.isfinite(o).all(), f"{variant}: a covered row was not written (or is not finite)"
+    err, norm = (o - ref).norm().item(), ref.norm().item()
+    assert err <= GEMM_TOL * norm + 1e-30, f"{variant}: rel err {err / max(norm, 1e-30):.3e} > {GEMM_TOL}"
+    assert torch.isnan(out[:lo].float()).all() and torch.isnan(out[hi:].float()).all(), \
+        f"{variant}: rows of no expert written"
+    if against_tl:
+        gemm_plan.clear_cache()
+        with options.override(autotune="off"):  # the first config: no tuning run per drawn shape
+            t = grouped_gemm(x8, w8, offsets=offsets, row_scale=rs)[lo:hi].float()
+        diff, tn = (o - t).norm().item(), t.norm().item()
+        assert diff <= GLUON_FP8_TL_TOL * tn + 1e-30, (
+            f"{variant}: rel diff to the tl FP8 GEMM {diff / max(tn, 1e-30):.3e} > {GLUON_FP8_TL_TOL}")
+
+
+def gluon_fp8_unavailable() -> str | None:
+    """Why the Gluon FP8 kernel cannot run here (it needs an sm_90 GPU), or None."""
+    from ..kernels.grouped_gemm import gluon_fp8
+    return gluon_fp8.unavailable_reason()
+
+
 # --- bridge ------------------------------------------------------------------------------------------------
 
 
@@ -424,4 +488,5 @@ PROPERTIES = {
     "layer_batch_invariance": Property(S.layer_cases, check_layer_batch_invariance),
     "dispatch_fp8": Property(S.layer_cases, check_dispatch_fp8),
     "gluon_nvfp4_grouped_gemm": Property(S.gluon_nvfp4_cases, check_gluon_nvfp4_gemm, gluon_nvfp4_unavailable),
+    "gluon_fp8_grouped_gemm": Property(S.gluon_fp8_cases, check_gluon_fp8_gemm, gluon_fp8_unavailable),
 }
