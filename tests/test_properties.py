@@ -7,7 +7,7 @@ import torch
 import moe_ep.layer
 from moe_ep import kernels
 from moe_ep.kernels import bridge, nvfp4
-from moe_ep.kernels.grouped_gemm import gluon_nvfp4
+from moe_ep.kernels.grouped_gemm import gluon_fp8, gluon_nvfp4
 from moe_ep.testing import properties as P
 from moe_ep.transports import torch_dist
 
@@ -106,10 +106,15 @@ def test_check_passes_on_the_kernel_and_fails_on_a_planted_fault(dev, monkeypatc
 
 GLUON = dict(G=2, K=256, N=100, counts=[5, 3], pad=2, out_dtype="float32", hint=None, one_gs=False, scale=1.0,
              zero_frac=0.0, fast_decode=True, launch=0, seed=6)
-GPU_FAULTS = [  # the same, for kernels that run only on a GPU of one kind (the Gluon one: sm_90)
+GLUON_FP8 = dict(G=2, K=272, N=64, counts=[5, 3], lead=0, pad=2, row_scale=True, scale=1.0, zero_frac=0.0,
+                 variant="coop", seed=7)
+GPU_FAULTS = [  # the same, for kernels that run only on a GPU of one kind (the Gluon ones: sm_90)
     (P.check_gluon_nvfp4_gemm, GLUON, gluon_nvfp4, "gluon_nvfp4_grouped_gemm", _bump_a_value, "relative error"),
     (P.check_gluon_nvfp4_gemm, dict(GLUON, out_dtype="bfloat16", launch=6), gluon_nvfp4, "gluon_nvfp4_grouped_gemm",
      _write_a_padding_row, "outside the experts' counts"),
+    (P.check_gluon_fp8_gemm, GLUON_FP8, gluon_fp8, "gluon_fp8_grouped_gemm", _bump_a_value, "rel err"),
+    (P.check_gluon_fp8_gemm, dict(GLUON_FP8, variant="coop_overlap"), gluon_fp8, "gluon_fp8_grouped_gemm",
+     _write_a_padding_row, "rows of no expert written"),
 ]
 
 
