@@ -244,9 +244,7 @@ def check_gluon_nvfp4_gemm(c: dict, dev) -> None:
     from ..kernels.grouped_gemm import gluon_nvfp4
     from ..reference import dequantize_nvfp4_ref, grouped_gemm_ref
     gen = torch.Generator().manual_seed(c["seed"])
-    offs = [0]
-    for n in c["counts"]:
-        offs.append(offs[-1] + n)
+    offs = S.offsets_of(c["counts"])
     rows = offs[-1] + c["pad"]
     x = S.scaled_values((rows, c["K"]), c["scale"], c["zero_frac"], gen).to(dev)
     w = S.scaled_values((c["G"], c["N"], c["K"]), 0.5, c["zero_frac"], gen).to(dev)
@@ -289,9 +287,7 @@ def gluon_fp8_problem(c: dict, dev):
     from ..reference import dequantize_fp8_ref, grouped_gemm_ref, quantize_fp8_ref
     gen = torch.Generator().manual_seed(c["seed"])
     G, N, K = c["G"], c["N"], c["K"]
-    offs = [c["lead"]]
-    for n in c["counts"]:
-        offs.append(offs[-1] + n)
+    offs = S.offsets_of(c["counts"], c["lead"])
     M = offs[-1] + c["pad"]
     x = S.scaled_values((M, K), c["scale"], c["zero_frac"], gen).to(dev)
     w = S.scaled_values((G, N, K), K ** -0.5, c["zero_frac"], gen).to(dev)

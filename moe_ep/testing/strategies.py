@@ -8,6 +8,7 @@ a device). The hypothesis profiles are in :mod:`moe_ep.testing.profiles`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,11 @@ def gemm_cases(draw, b: Bounds = TINY, mlp: bool = False):
         zero_frac=draw(st.sampled_from([0.0, 0.3])), seed=draw(_seeds))
 
 
+def offsets_of(counts, start: int = 0) -> list[int]:
+    """The ``G + 1`` row offsets of consecutive experts holding ``counts`` rows each, the first at row ``start``."""
+    return list(itertools.accumulate(counts, initial=start))
+
+
 @st.composite
 def gluon_nvfp4_cases(draw, b: Bounds = TINY):
     """A problem of the Gluon NVFP4-weight grouped GEMM (ragged bf16 x, NVFP4 weights): experts, K a multiple of
@@ -193,9 +199,7 @@ def make_gemm_operands(c: dict, dev, *, n_rows: int | None = None):
     G, counts, K = c["G"], c["counts"], c["K"]
     gen = torch.Generator().manual_seed(c["seed"])
     if c["ragged"]:
-        offs = [0]
-        for n in counts:
-            offs.append(offs[-1] + n)
+        offs = offsets_of(counts)
         S = offs[-1] + c["pad"]
         valid = torch.zeros(S, dtype=torch.bool)
         valid[:offs[-1]] = True
