@@ -22,7 +22,7 @@ import torch
 
 import moe_ep  # noqa: F401  (before triton)
 from moe_ep import options  # noqa: E402
-from moe_ep.commands.bench_rows import run_rows  # noqa: E402
+from moe_ep.commands.bench_rows import error_line, run_rows  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph  # noqa: E402
 from moe_ep.kernels import grouped_gemm  # noqa: E402
@@ -56,10 +56,6 @@ def reference(x8, w8, offs):
     return out
 
 
-def _error_line(tb: str) -> str:
-    return tb.strip().splitlines()[-1][:300]
-
-
 def run_row(name, N, K, rows):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -81,7 +77,7 @@ def run_row(name, N, K, rows):
                 lambda v=variant: gluon_fp8_grouped_gemm(x8, w8, offs, row_scale=rs, variant=v)) * 1e6
         except Exception:  # noqa: BLE001  (reported in the row: the other variants still run)
             row[f"{variant}_error"] = traceback.format_exc()[-2000:]
-            print(f"  {name} {rows}: variant {variant} failed: {_error_line(row[f'{variant}_error'])}", flush=True)
+            print(f"  {name} {rows}: variant {variant} failed: {error_line(row[f'{variant}_error'])}", flush=True)
     for col, a, b in (("tl_fp8", x8, w8), ("tl_bf16", x, w)):
         try:
             with options.override(autotune_quick=True):
@@ -92,7 +88,7 @@ def run_row(name, N, K, rows):
                                                                         m_hint=rows)) * 1e6
         except Exception:  # noqa: BLE001
             row[f"{col}_error"] = traceback.format_exc()[-2000:]
-            print(f"  {name} {rows}: {col} failed: {_error_line(row[f'{col}_error'])}", flush=True)
+            print(f"  {name} {rows}: {col} failed: {error_line(row[f'{col}_error'])}", flush=True)
     return row
 
 
@@ -119,7 +115,7 @@ def main():
               f"{best / floor if best and floor else float('nan'):10.2f}")
         print("  rel err: " + ", ".join(f"{c} {r[f'rel_err_{c}']:.1e}" for c in cols if f"rel_err_{c}" in r))
         for k in [k for k in r if k.endswith("_error")]:
-            print(f"  {k}: {_error_line(r[k])}")
+            print(f"  {k}: {error_line(r[k])}")
     print("times in us (median of CUDA-graph replays), each with the row's routing weights; floor: 2 M N K / "
           "1979 TFLOP/s (dense FP8); best: the fastest Gluon variant; rel err: relative Frobenius error against fp32 "
           "x @ w^T on the dequantized FP8 operands (tl_bf16: on the bf16 operands they were quantized from, so its "

@@ -24,7 +24,7 @@ import torch
 
 import moe_ep  # noqa: F401  (before triton)
 from moe_ep import options  # noqa: E402
-from moe_ep.commands.bench_rows import run_rows  # noqa: E402
+from moe_ep.commands.bench_rows import error_line, run_rows  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 from moe_ep.kernels import grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
@@ -86,7 +86,7 @@ def run_row(name, G, N, K, tpe):
             sweep[key] = {"rel_err": rel_err(out, ref),
                           "us": time_graph(lambda a=launch: gluon_nvfp4_grouped_gemm(x, w, offs, **a)) * 1e6}
         except Exception:  # noqa: BLE001  (a launch that does not fit, e.g. shared memory, is reported)
-            sweep[key] = {"error": traceback.format_exc().strip().splitlines()[-1][:300]}
+            sweep[key] = {"error": error_line(traceback.format_exc())}
     row["gluon_sweep"] = sweep
     row["gluon_defaults"] = dict(zip(("stages", "maxnreg"), launch_params(token_tile(tpe))))
     try:
@@ -116,7 +116,7 @@ def main():
           f"{'gl/read':>7} {'err gl':>8} {'err tl':>8}")
     for r in rows:
         if "row_error" in r:
-            print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} failed: {r['row_error'].strip().splitlines()[-1]}")
+            print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} failed: {error_line(r['row_error'])}")
             continue
         gl_us, tl_us, rd = r.get("gluon_us"), r.get("tl_us"), r["read_weights_us"]
         print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} {f(gl_us):>8} {f(r.get('gluon_plain_us')):>8} "
@@ -126,7 +126,7 @@ def main():
               f"{e(r.get('rel_err_tl')):>8}")
         for k in ("gluon_error", "gluon_plain_error", "tl_error"):
             if k in r:
-                print(f"  {k}: {r[k].strip().splitlines()[-1]}")
+                print(f"  {k}: {error_line(r[k])}")
         print(f"  defaults {r['gluon_defaults']}; sweep: " + ", ".join(
             f"{k}: {v['us']:.1f} us (err {v['rel_err']:.1e})" if "us" in v else f"{k}: {v['error']}"
             for k, v in r["gluon_sweep"].items()))

@@ -8,13 +8,14 @@ import json
 import sys
 import traceback
 
+import torch
+import triton
+
 
 def run_rows(shapes, run_row, out: str, failed_row=lambda shape: {"shape": list(shape)}) -> list[dict]:
     """``run_row(*shape)`` (a dict) for each of ``shapes`` on this CUDA GPU (exits saying so without one); a row that
     raises becomes ``failed_row(shape)`` with its ``row_error``. After each row the file ``out`` holds
     ``{"device", "triton", "rows"}``. Returns the rows."""
-    import torch
-    import triton
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     device = torch.cuda.get_device_name()
@@ -26,9 +27,16 @@ def run_rows(shapes, run_row, out: str, failed_row=lambda shape: {"shape": list(
             row = run_row(*shape)
         except Exception:  # noqa: BLE001  (kept in its row: the next shape still runs)
             row = {**failed_row(shape), "row_error": traceback.format_exc()[-2000:]}
-            print(f"  {shape}: failed: {row['row_error'].strip().splitlines()[-1][:300]}", flush=True)
+            print(f"  {shape}: failed: {error_line(row['row_error'])}", flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(out, "w") as f:
             json.dump({"device": device, "triton": triton.__version__, "rows": rows}, f, indent=1)
     return rows
+
+
+def error_line(tb: str) -> str:
+    """The last line of a recorded traceback (the exception and its message), at most 300 characters: how a row's
+    error is printed."""
+    return tb.strip().splitlines()[-1][:300]
+
