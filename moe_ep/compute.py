@@ -31,7 +31,7 @@ from .kernels.fp8 import Fp8Tensor, quantize_fp8
 from .kernels.kept_routes import KeptRoutes
 from .kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4_tokens
 from .layout_contract import (DispatchResult, HighThroughputExpertMajor, HighThroughputFlat, LowLatencyExpertMajor,
-                              LowLatencyRankMajor)
+                              LowLatencyRankMajor, result_type)
 from .weights import ExpertWeights
 
 
@@ -128,6 +128,17 @@ def _gemm_offsets(d: HighThroughputExpertMajor) -> torch.Tensor:
 COMPUTE = {LowLatencyExpertMajor: ll_expert_major, LowLatencyRankMajor: ll_rank_major, HighThroughputFlat: ht_flat,
            HighThroughputExpertMajor: ht_expert_major}
 """The compute of each dispatch result type."""
+
+ROUTED = (LowLatencyRankMajor, HighThroughputFlat)
+"""The result types whose compute routes the picks itself (:func:`bridged_mlp`): those that take kept routes."""
+
+
+def kept_routes(config: EpConfig, world_size: int, device) -> KeptRoutes | None:
+    """Route buffers for a layer of ``config`` over ``world_size`` ranks to keep between its forwards, where its
+    layout's compute routes (:data:`ROUTED`; up to ``world_size * max_tokens_per_rank * top_k`` picks), else None."""
+    if result_type(config) not in ROUTED:
+        return None
+    return KeptRoutes(world_size * config.max_tokens_per_rank * config.top_k, config.local_experts(world_size), device)
 
 
 def expert_compute(config: EpConfig, d: DispatchResult, weights: ExpertWeights,

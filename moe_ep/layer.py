@@ -10,11 +10,9 @@ import torch
 import torch.distributed as dist
 
 from . import rank_agreement
-from .compute import expert_compute
+from .compute import expert_compute, kept_routes
 from .config import MAX_INT32, EpConfig, Format
 from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpPeerError, check, fail
-from .kernels.kept_routes import KeptRoutes
-from .layout_contract import HighThroughputFlat, LowLatencyRankMajor, result_type
 from .transports import TRANSPORTS, make_transport
 from .transports.base import group_rank_world
 from .transports.discovery import require_transport
@@ -194,11 +192,8 @@ class MoEEpLayer(torch.nn.Module):
         self._tell_peers = self.world_size > 1 and self.transport.name == "torch"
         # the portable transport treats ids outside [0, E) as no expert; others get them as -1 (_run)
         self._map_ids = self.transport.name != "torch"
-        # the layouts whose compute routes the picks: their route buffers kept between forwards (no torch op each)
-        self._routes = None
-        if result_type(config) in (LowLatencyRankMajor, HighThroughputFlat):
-            self._routes = KeptRoutes(self.world_size * config.max_tokens_per_rank * config.top_k,
-                                      config.local_experts(self.world_size), weights.device)
+        # where the layout's compute routes the picks, its route buffers are kept between forwards (no torch op each)
+        self._routes = kept_routes(config, self.world_size, weights.device)
         if cuda_graph:
             check(self.transport.graph_capturable,
                   f"cuda_graph=True with transport {self.transport.name!r}, {config.algorithm.value}, world size",
