@@ -15,7 +15,6 @@ import math
 
 import torch
 
-from . import bridge, host_math
 from .bridge import Route, _pieces, _route_chunks
 
 
@@ -54,11 +53,10 @@ class KeptRoutes:
     def _allocate(self) -> tuple:
         cap, L = self.capacity, self.L
         sizes = [cap, cap, L, L + 1, L]
-        LP = _route_chunks(cap, L)[2]
-        chunks = host_math.cdiv(cap, bridge._ROUTE_CHUNK) if cap > bridge._ROUTE_ONE_LAUNCH else 0
-        if chunks:
-            sizes.append(chunks * LP)
+        C, LP = _route_chunks(cap, L)[1:]  # (the chunked launches of up to cap ids: their histograms)
+        if C > 1:
+            sizes.append(C * LP)
         p = _pieces(sizes, torch.int32, self.device)
-        if chunks:
-            self.scratch["hist"] = p[5].view(chunks, LP)
+        if C > 1:
+            self.scratch["hist"] = p[5].view(C, LP)
         return tuple(p[:5])
