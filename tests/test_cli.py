@@ -251,8 +251,8 @@ def test_fuzz_planted_mismatch_exits_nonzero_with_a_reproduction(tmp_path, monke
     db = str(tmp_path / "db")
     rc = main(["fuzz", "--targets", "unpermute_reduce", "--examples", "40", "--database", db])
     out = capsys.readouterr().out
-    assert rc == 1
-    assert "MISMATCH in unpermute_reduce" in out and "relative error" in out
+    assert rc == 1, out
+    assert "MISMATCH in unpermute_reduce" in out and "relative error" in out, out
     assert "Falsifying" in out or "Failing test case" in out  # hypothesis' shrunk counterexample
     line = next(ln.strip() for ln in out.splitlines() if ln.strip().startswith("moe-ep fuzz --targets"))
     assert "--reproduce" in line and db in line

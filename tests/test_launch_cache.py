@@ -1,6 +1,8 @@
 """The launch cache (moe_ep.kernels.launch_cache) launches a kept compiled kernel only when everything Triton
 specialized it on is the same: its key separates every pair of arguments Triton's own specialization separates."""
 
+import inspect
+
 import pytest
 import torch
 import triton
@@ -84,19 +86,22 @@ def _specialized(v):
         return type(v)
 
 
-def _triton_view(values, n_runtime):
-    return (tuple(_specialized(v) for v in values[:n_runtime]),
+def _triton_view(values, n_runtime, constexprs):
+    """What Triton compiles a call on: the runtime arguments' specialization, and the value of every constexpr
+    (those passed positionally, at the positions ``constexprs``, too)."""
+    return (tuple((type(v), v) if i in constexprs else _specialized(v) for i, v in enumerate(values[:n_runtime])),
             tuple((type(v), v) for v in values[n_runtime:]))
 
 
 class _Tagged(StandInCompiled):
-    def __init__(self, tag, n_runtime, expected):
+    def __init__(self, tag, n_runtime, constexprs, expected):
         super().__init__(None, 1, 2)
-        self.tag, self.n_runtime, self.expected = tag, n_runtime, expected
+        self.tag, self.n_runtime, self.constexprs, self.expected = tag, n_runtime, constexprs, expected
 
     def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_hook, *values):
         assert (function, metadata) == (1, 2)
-        assert _triton_view(values, self.n_runtime) == self.tag, "a kept kernel launched for another specialization"
+        assert _triton_view(values, self.n_runtime, self.constexprs) == self.tag, \
+            "a kept kernel launched for another specialization"
         want = self.expected[0]
         assert len(values) == len(want) and all(a is b or (type(a) is type(b) and a == b) for a, b in
                                                 zip(values, want)), "launched with other values than the call's"
@@ -130,7 +135,9 @@ class _StandInTriton:
             for name, fn in info.heuristics.values.items():
                 full[name] = fn(full)
         values = tuple(full.get(n) for n in info.names)
-        return config, _Tagged(_triton_view(values, len(args)), len(args), self.expected)
+        constexprs = {i for i, p in enumerate(inspect.signature(info.jit.fn).parameters.values())
+                      if p.annotation is tl.constexpr}
+        return config, _Tagged(_triton_view(values, len(args), constexprs), len(args), constexprs, self.expected)
 
     def call(self, kernel, grid, args, kwargs, full_values, gx=None):
         self.expected[0], self.expected[2] = full_values, gx
@@ -192,6 +199,49 @@ def test_kept_kernels_launch_only_for_their_specialization(triton_, kernel):
                                       (*args, block, i % 3 == 0))
                 assert config.kwargs["BLOCK"] == block
     assert triton_.expected[1] > triton_.through  # most launches were the cache's own
+
+
+@triton.jit
+def _positional_constexpr_kernel(t, K: tl.constexpr, n, BLOCK: tl.constexpr):
+    pass
+
+
+_autotuned_positional = triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
+                                        key=["n"])(_positional_constexpr_kernel)
+
+
+@pytest.mark.parametrize("autotuned", [False, True])
+def test_a_constexpr_passed_positionally_is_keyed_on_its_value(triton_, autotuned):
+    """K = 2, 3, 4, 5 are one class of int to Triton's runtime specialization but four compiled variants when K is a
+    constexpr (the bridge's reduce kernel passes its top-k that way, and takes its first config untuned when
+    autotuning is off): a variant kept for one K and launched for another would read the wrong slots."""
+    for _ in range(3):
+        for k in (2, 3, 4, 5, 17, 33):
+            for n in (3, 48):
+                if autotuned:
+                    block = (16, 32)[hash((n,)) % 2]
+                    triton_.call(_autotuned_positional, (1,), (_BASE, k, n), {}, (_BASE, k, n, block))
+                else:
+                    triton_.call(_positional_constexpr_kernel, (1,), (_BASE, k, n), dict(BLOCK=16),
+                                 (_BASE, k, n, 16))
+    assert triton_.expected[1] > triton_.through  # most launches were the cache's own
+
+
+@triton.jit
+def _add_constexpr_kernel(x_ptr, out_ptr, n, C: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m) + C, mask=m)
+
+
+def test_launches_with_a_positional_constexpr_add_its_own_value(dev):
+    """On the device: each call adds its own constexpr C, whichever variant was launched before it."""
+    x = torch.arange(40, dtype=torch.float32, device=dev)
+    for _ in range(2):
+        for c in (2, 3, 4, 5):
+            out = torch.zeros_like(x)
+            launch_cache.launch(_add_constexpr_kernel, (1,), x, out, 40, c, BLOCK=64)
+            assert torch.equal(out, x + c), c
 
 
 @triton.jit

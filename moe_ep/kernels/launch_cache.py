@@ -9,9 +9,10 @@ launch the compiled kernel through its C launcher alone.
 
 The key covers everything the compiled kernel was specialized on, by Triton's rules: each tensor's dtype and 16-byte
 alignment, each int's class (1, a multiple of 16, 32 or 64 bits), bools, floats and None, each TMA descriptor's
-dtype, block shape and base alignment, the keyword arguments (constexprs and compile options), the current device,
-Triton's debug and instrumentation knobs, the autotuner's key values (its pick depends on them) and every
-heuristic's value, evaluated on each call as Triton would. Under the interpreter, with a launch hook installed
+dtype, block shape and base alignment, the value of each constexpr passed positionally (Triton compiles a variant
+per value), the keyword arguments (constexprs and compile options), the current device, Triton's debug and
+instrumentation knobs, the autotuner's key values (its pick depends on them) and every heuristic's value, evaluated
+on each call as Triton would. Under the interpreter, with a launch hook installed
 (profilers), for an argument of a type the key does not know, or when the kernel has a parameter the call leaves to
 its default, every call goes through Triton.
 
@@ -24,6 +25,8 @@ argument dict and evaluates nothing.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import triton
@@ -68,14 +71,15 @@ def _spec_source(t: type, a: str) -> str | None:
     return None
 
 
-def _key_function(types: tuple, tune_positions: tuple):
+def _key_function(types: tuple, value_positions: tuple):
     """``f(*args) -> tuple``: the specialization of arguments of these types (Triton's rules, module doc) and the
-    values of the positional autotuning keys; :data:`_UNKNOWN` when a type is not one the key knows."""
+    values of the arguments at ``value_positions`` (constexprs, autotuning keys); :data:`_UNKNOWN` when a type is
+    not one the key knows."""
     names = [f"a{i}" for i in range(len(types))]
     parts = [_spec_source(t, a) for t, a in zip(types, names)]
     if None in parts:
         return _UNKNOWN
-    parts += [names[i] for i in tune_positions if i < len(names)]
+    parts += [names[i] for i in value_positions if i < len(names)]
     body = ", ".join(p for p in parts if p)
     source = f"def key({', '.join(names)}):\n    return ({body}{',' if body else ''})\n"
     namespace = {}
@@ -104,8 +108,8 @@ class _Entry:
 
 class _Kernel:
     """How a (possibly autotuned, possibly heuristics-wrapped) kernel unwraps, and its cache."""
-    __slots__ = ("kernel", "autotuner", "heuristics", "jit", "names", "tune_keys", "tune_positions",
-                 "entries", "key_functions")
+    __slots__ = ("kernel", "autotuner", "heuristics", "jit", "names", "value_positions", "entries",
+                 "key_functions")
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -114,11 +118,20 @@ class _Kernel:
         self.heuristics = inner if isinstance(inner, Heuristics) else None
         self.jit = inner.fn if self.heuristics is not None else inner
         self.names = tuple(self.jit.arg_names)
-        # the autotuner's key arguments, with their positions (its pick depends on their values)
-        self.tune_keys = tuple((k, self.names.index(k)) for k in (self.autotuner.keys if self.autotuner else ()))
-        self.tune_positions = tuple(i for _, i in self.tune_keys)
+        # the parameters whose values the key holds, not just their class: the constexprs (a call may pass them
+        # positionally; Triton compiles one variant per value) and the autotuner's keys (its pick depends on them)
+        tune = {self.names.index(k) for k in (self.autotuner.keys if self.autotuner else ())}
+        self.value_positions = tuple(sorted(tune | _constexpr_positions(self.jit.fn)))
         self.entries = {}
         self.key_functions = {}  # argument types -> key function (_key_function)
+
+
+def _constexpr_positions(fn) -> set[int]:
+    """The positions of ``fn``'s ``tl.constexpr`` parameters, by Triton's rule (the annotation names constexpr;
+    read from the signature: the interpreter's functions have no parsed parameters)."""
+    def named(a):
+        return a if isinstance(a, str) else getattr(a, "__name__", "")
+    return {i for i, p in enumerate(inspect.signature(fn).parameters.values()) if "constexpr" in named(p.annotation)}
 
 
 _KERNELS: dict[int, _Kernel] = {}
@@ -154,7 +167,7 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     types = tuple(map(type, args))
     key_of = info.key_functions.get(types)
     if key_of is None:
-        key_of = info.key_functions[types] = _key_function(types, info.tune_positions)
+        key_of = info.key_functions[types] = _key_function(types, info.value_positions)
     if key_of is _UNKNOWN:
         return _through_triton(info, kernel, grid, args, kwargs)[0]
     drv = _driver()
