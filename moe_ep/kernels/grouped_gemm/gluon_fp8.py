@@ -30,8 +30,17 @@ device-side offsets alone (no host sync); empty experts own no tiles. Row tiles 
 likewise. K need not be a multiple of 128 (TMA fills the last block's columns past K with zeros), but TMA needs
 16-byte row strides: K a multiple of 16.
 
-Named variants (:data:`VARIANTS`) choose the consumers and the overlap; the GEMM1 form (SwiGLU, FP8 out) would be a
-second epilogue on the same loop (gate and up tiles as two w loads into two accumulators).
+Named variants (:data:`VARIANTS`) choose the consumers and the overlap.
+
+GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
+gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
+block of the output, so that its epilogue sees every value a scale is the amax of. Its gate and up sums (two
+64 x 128 fp32 tiles a warpgroup) and a product besides would take 192 registers, which spills (as OVERLAP at BLOCK_N
+128 does), so the tile is two passes over K of 64 channels each: a pass's slot holds x's tile and a w tile of the 64
+gate rows over their 64 up rows (two TMA boxes into the slot's halves), one wgmma of N 128 gives both halves' product,
+and the promotion takes gate's scale for the first 64 columns and up's for the rest. Between the passes a warpgroup
+keeps the first pass's 64 x 64 SwiGLU values; x's tile is loaded again for the second (from L2). The epilogue
+(``gluon_fp8_swiglu``) quantizes the block from both passes.
 """
 
 from __future__ import annotations
