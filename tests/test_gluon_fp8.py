@@ -1,13 +1,17 @@
 """The Gluon FP8 block-scaled grouped GEMM (moe_ep/kernels/grouped_gemm/gluon_fp8.py) against the fp32 reference and
 the tl FP8 grouped GEMM.
 
-The GPU cases need sm_90 (wgmma, TMA) and run every variant (``gluon_fp8.VARIANTS``) as its own test, so that one
-failing variant does not hide the others. The reference multiplies the dequantized operands (``dequantize_fp8_ref``)
+The GPU cases need sm_90 (wgmma, TMA) and run every variant (``gluon_fp8.VARIANTS``, and GEMM1's
+``gluon_fp8.SWIGLU_VARIANTS``) as its own test, so that one failing variant does not hide the others. The reference multiplies the dequantized operands (``dequantize_fp8_ref``)
 in fp32: the kernel computes that function up to the summation order (the products of two e4m3 values are exact in
 fp32), the tensor core's FP8 accumulation within one 128-wide K block and the bf16 output: 1e-2 relative, the bound
 tests/test_fp8_gemm.py holds the tl FP8 GEMM to. Against the tl FP8 GEMM on the same operands the bound is the sum of
-the two kernels' bounds, 2e-2 (each is within 1e-2 of the same fp32 result). The bad-input table and the
-no-GPU error run anywhere (the argument checks come before any launch; the device checks last).
+the two kernels' bounds, 2e-2 (each is within 1e-2 of the same fp32 result). GEMM1 (SwiGLU, FP8 out) is held to
+``swiglu_fp8_ref`` of the reference's fp32 SwiGLU values and to the tl FP8 GEMM1's output, each by
+``properties.assert_fp8_rows_close``: both sides quantize by one rule, so a code differs (by one step where normal)
+only where the fp32 sums' order puts its value across a rounding boundary; dequantized values within 2e-2 relative
+norm, scales within 2e-3 each, at least 90% of the codes identical. The bad-input tables and the no-GPU errors run
+anywhere (the argument checks come before any launch; the device checks last).
 """
 
 import re
@@ -20,12 +24,13 @@ from moe_ep import MoEEpConfigError, MoEEpInputError
 from moe_ep.kernels.fp8 import Fp8Tensor
 from moe_ep.kernels.grouped_gemm import gluon_fp8
 from moe_ep.reference import quantize_fp8_ref
-from moe_ep.testing.properties import check_gluon_fp8_gemm
+from moe_ep.testing.properties import check_gluon_fp8_gemm, check_gluon_fp8_swiglu_gemm
 from moe_ep.testing.strategies import gluon_fp8_cases
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is built for sm_90 (Hopper)")
 VARIANTS = list(gluon_fp8.VARIANTS)
+SWIGLU_VARIANTS = list(gluon_fp8.SWIGLU_VARIANTS)
 CUDA = torch.device("cuda")
 
 
@@ -52,6 +57,46 @@ def test_gluon_fp8_benchmark_shapes(variant, N, K, rows):
     c = dict(G=32, N=N, K=K, counts=counts, lead=0, pad=7, row_scale=True, scale=1.0, zero_frac=0.0, seed=1,
              variant=variant)
     check_gluon_fp8_gemm(c, CUDA, against_tl=False)
+
+
+@pytest.mark.gpu
+@hopper_only
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], deadline=None)
+@pytest.mark.parametrize("variant", SWIGLU_VARIANTS)
+@given(c=gluon_fp8_cases(swiglu=True))
+def test_gluon_fp8_swiglu_matches_reference_and_tl(variant, c):
+    check_gluon_fp8_swiglu_gemm(dict(c, variant=variant), CUDA)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("variant", SWIGLU_VARIANTS)
+@pytest.mark.parametrize("I,K,counts", [
+    (200, 272, [0, 130, 1, 0, 64]),  # I and K tails: a short second column tile, a short last K block
+    (64, 16, [3, 0, 300]),  # one K block of 16, the second pass all past I
+    (384, 1040, [129, 0, 0, 2]),
+], ids=["tails", "narrow", "three-blocks"])
+def test_gluon_fp8_swiglu_ragged_tails(variant, I, K, counts):
+    """Fixed ragged GEMM1 cases, empty experts included, rows of no expert before and after: against the reference
+    and the tl FP8 GEMM1."""
+    c = dict(G=len(counts), N=I, K=K, counts=counts, lead=2, pad=3, row_scale=False, scale=1.0, zero_frac=0.3,
+             seed=4, swiglu=True, variant=variant)
+    check_gluon_fp8_swiglu_gemm(c, CUDA)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("variant", SWIGLU_VARIANTS)
+@pytest.mark.parametrize("rows", [128, 1024], ids=["dsv3-gemm1", "dsv3-gemm1-1024"])
+def test_gluon_fp8_swiglu_benchmark_shapes(variant, rows):
+    """The benchmark's GEMM1 shape (DeepSeek-V3 EP8 rank: 32 experts, I 2048, K 7168), routed counts around
+    ``rows`` (one expert empty): against the reference (the tl GEMM1 is compared by the tests above)."""
+    gen = torch.Generator().manual_seed(5)
+    counts = (torch.rand(32, generator=gen) * 2 * rows).long().tolist()
+    counts[9] = 0
+    c = dict(G=32, N=2048, K=7168, counts=counts, lead=0, pad=5, row_scale=False, scale=1.0, zero_frac=0.0, seed=2,
+             swiglu=True, variant=variant)
+    check_gluon_fp8_swiglu_gemm(c, CUDA, against_tl=False)
 
 
 def _w(G, N, K, block_rows=128, gate_up=False):
@@ -85,6 +130,33 @@ def _bad_inputs():
     ]
 
 
+def _bad_swiglu_inputs():
+    """(name, arguments for check_gluon_fp8_swiglu as a function of a valid set, what the message must name)."""
+    return [
+        ("w bf16", lambda a: dict(a, w13=torch.zeros(2, 128, 256)), "type(w)"),
+        ("w odd rows", lambda a: dict(a, w13=_w(2, 65, 256)), "w.shape[1] (2I)"),
+        ("w plain scales, I % 128 != 0", lambda a: dict(a, w13=_w(2, 128, 256)), "w.scales.shape"),
+        ("w per-row scales", lambda a: dict(a, w13=_w(2, 128, 256, block_rows=1, gate_up=True)), "w.block_rows"),
+        ("K not a multiple of 16", lambda a: dict(a, w13=_w(2, 128, 136, gate_up=True), x=_x(3, 136)),
+         "w.shape[2] (K)"),
+        ("x K mismatch", lambda a: dict(a, x=_x(3, 512)), "x.shape"),
+        ("offsets length", lambda a: dict(a, offsets=torch.zeros(4, dtype=torch.int32)), "offsets.shape"),
+        ("GEMM2's variant", lambda a: dict(a, variant="coop_overlap"), "variant"),
+        ("out bf16", lambda a: dict(a, out=torch.zeros(3, 64, dtype=torch.bfloat16)), "out"),
+        ("out of 2I columns", lambda a: dict(a, out=_x(3, 128)), "out"),
+        ("x on the CPU", lambda a: dict(a), "x.device"),  # valid otherwise: only a CUDA device is refused for
+    ]
+
+
+@pytest.mark.parametrize("name,make,what", _bad_swiglu_inputs(), ids=[b[0] for b in _bad_swiglu_inputs()])
+def test_gluon_fp8_swiglu_bad_inputs_raise_named_errors(name, make, what):
+    """GEMM1's launcher: each bad argument raises MoEEpInputError naming it (w13 [2, 128, 256]: I 64, so gate's and
+    up's scale blocks apart, ``gate_up``)."""
+    args = make(dict(x=_x(3, 256), w13=_w(2, 128, 256, gate_up=True), offsets=torch.zeros(3, dtype=torch.int32)))
+    with pytest.raises(MoEEpInputError, match="^" + re.escape(what) + " = "):
+        gluon_fp8.check_gluon_fp8_swiglu(**args)
+
+
 @pytest.mark.parametrize("name,make,what", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
 def test_gluon_fp8_bad_inputs_raise_named_errors(name, make, what):
     """Each bad argument raises MoEEpInputError naming it (CPU tensors: every row but the last fails before the
@@ -104,3 +176,13 @@ def test_gluon_fp8_without_hopper_raises_config_error(monkeypatch):
     monkeypatch.setattr(gluon_fp8, "check_gluon_fp8", lambda *a, **k: None)  # the CPU tensors pass as valid here
     with pytest.raises(MoEEpConfigError, match="needs an sm_90 GPU"):
         gluon_fp8.gluon_fp8_grouped_gemm(_x(3, 256), _w(2, 64, 256), torch.zeros(3, dtype=torch.int32))
+
+
+def test_gluon_fp8_swiglu_without_hopper_raises_config_error(monkeypatch):
+    """GEMM1's launcher, as GEMM2's: MoEEpConfigError saying why on a machine without an sm_90 GPU."""
+    if gluon_fp8.unavailable_reason() is None:
+        return
+    monkeypatch.setattr(gluon_fp8, "check_gluon_fp8_swiglu", lambda *a, **k: None)
+    with pytest.raises(MoEEpConfigError, match="needs an sm_90 GPU"):
+        gluon_fp8.gluon_fp8_swiglu_grouped_gemm(_x(3, 256), _w(2, 128, 256, gate_up=True),
+                                                torch.zeros(3, dtype=torch.int32))

@@ -108,6 +108,25 @@ GLUON = dict(G=2, K=256, N=100, counts=[5, 3], pad=2, out_dtype="float32", hint=
              zero_frac=0.0, fast_decode=True, launch=0, seed=6)
 GLUON_FP8 = dict(G=2, K=272, N=64, counts=[5, 3], lead=0, pad=2, row_scale=True, scale=1.0, zero_frac=0.0,
                  variant="coop", seed=7)
+GLUON_FP8_SWIGLU = dict(GLUON_FP8, N=200, row_scale=False, swiglu=True)  # two column tiles, the last one short
+
+
+def _double_a_scale(f):
+    def wrong(*a, **k):
+        q = f(*a, **k)
+        q.scales.view(-1)[0] *= 2
+        return q
+    return wrong
+
+
+def _zero_a_padding_row_of_codes(f):
+    def wrong(*a, **k):
+        q = f(*a, **k)
+        q.data.view(torch.uint8)[-1] = 0
+        return q
+    return wrong
+
+
 GPU_FAULTS = [  # the same, for kernels that run only on a GPU of one kind (the Gluon ones: sm_90)
     (P.check_gluon_nvfp4_gemm, GLUON, gluon_nvfp4, "gluon_nvfp4_grouped_gemm", _bump_a_value, "relative error"),
     (P.check_gluon_nvfp4_gemm, dict(GLUON, out_dtype="bfloat16", launch=6), gluon_nvfp4, "gluon_nvfp4_grouped_gemm",
@@ -115,6 +134,10 @@ GPU_FAULTS = [  # the same, for kernels that run only on a GPU of one kind (the 
     (P.check_gluon_fp8_gemm, GLUON_FP8, gluon_fp8, "gluon_fp8_grouped_gemm", _bump_a_value, "rel err"),
     (P.check_gluon_fp8_gemm, dict(GLUON_FP8, variant="coop_overlap"), gluon_fp8, "gluon_fp8_grouped_gemm",
      _write_a_padding_row, "rows of no expert written"),
+    (P.check_gluon_fp8_swiglu_gemm, GLUON_FP8_SWIGLU, gluon_fp8, "gluon_fp8_swiglu_grouped_gemm", _double_a_scale,
+     "rel err"),
+    (P.check_gluon_fp8_swiglu_gemm, dict(GLUON_FP8_SWIGLU, variant="single"), gluon_fp8,
+     "gluon_fp8_swiglu_grouped_gemm", _zero_a_padding_row_of_codes, "rows of no expert written"),
 ]
 
 

@@ -258,10 +258,13 @@ def gluon_nvfp4():
 
 
 def gluon_fp8():
-    """(Gluon kernel, signature, constexprs, compile options) per variant of the Hopper FP8 block-scaled GEMM
-    (``gluon_fp8.VARIANTS``), with and without the row scale, as a launch builds it: sm_90 only (:data:`SM90_ONLY`)."""
+    """(Gluon kernel, signature, constexprs, compile options) per variant of the Hopper FP8 block-scaled GEMM: GEMM2's
+    form (``gluon_fp8.VARIANTS``) with and without the row scale, and GEMM1's (``gluon_fp8.SWIGLU_VARIANTS``: SwiGLU,
+    FP8 out), as a launch builds it: sm_90 only (:data:`SM90_ONLY`)."""
     return [(_gluon_fp8._gluon_fp8_kernel, *_gluon_fp8.compile_signature(variant, has_rs))
-            for variant in _gluon_fp8.VARIANTS for has_rs in (True, False)]
+            for variant in _gluon_fp8.VARIANTS for has_rs in (True, False)] + \
+        [(_gluon_fp8._gluon_fp8_kernel, *_gluon_fp8.compile_signature(variant, swiglu=True))
+         for variant in _gluon_fp8.SWIGLU_VARIANTS]
 
 
 TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm,

@@ -282,20 +282,23 @@ GLUON_FP8_TL_TOL = 2 * GEMM_TOL
 def gluon_fp8_problem(c: dict, dev):
     """A :func:`~.strategies.gluon_fp8_cases` case's FP8 operands (quantized by the reference), offsets, the covered
     rows ``(lo, hi)``, the row scale (or None) and the fp32 reference of the covered rows on the dequantized
-    operands."""
+    operands: GEMM2's product, or with ``swiglu`` (GEMM1: w13 ``[G, 2N, K]``, gate's and up's scale blocks apart) the
+    fp32 SwiGLU values before their quantization."""
     from ..kernels.fp8 import Fp8Tensor
     from ..reference import dequantize_fp8_ref, grouped_gemm_ref, quantize_fp8_ref
     gen = torch.Generator().manual_seed(c["seed"])
-    G, N, K = c["G"], c["N"], c["K"]
+    G, N, K, swiglu = c["G"], c["N"], c["K"], c.get("swiglu", False)
     offs = S.offsets_of(c["counts"], c["lead"])
     M = offs[-1] + c["pad"]
     x = S.scaled_values((M, K), c["scale"], c["zero_frac"], gen).to(dev)
-    w = S.scaled_values((G, N, K), K ** -0.5, c["zero_frac"], gen).to(dev)
-    x8, w8 = Fp8Tensor(*quantize_fp8_ref(x, 1), 1), Fp8Tensor(*quantize_fp8_ref(w, 128), 128)
+    w = S.scaled_values((G, 2 * N if swiglu else N, K), K ** -0.5, c["zero_frac"], gen).to(dev)
+    x8 = Fp8Tensor(*quantize_fp8_ref(x, 1), 1)
+    w8 = Fp8Tensor(*quantize_fp8_ref(w, 128, swiglu), 128, swiglu)
     rs = (torch.rand(M, generator=gen) + 0.5).to(dev) if c["row_scale"] else None
     offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
-    ref = grouped_gemm_ref(dequantize_fp8_ref(x8.data, x8.scales, 1), dequantize_fp8_ref(w8.data, w8.scales, 128),
-                           offsets=offsets, row_scale=rs)
+    ref = grouped_gemm_ref(dequantize_fp8_ref(x8.data, x8.scales, 1),
+                           dequantize_fp8_ref(w8.data, w8.scales, 128, swiglu), offsets=offsets, swiglu=swiglu,
+                           row_scale=rs)
     return x8, w8, offsets, (offs[0], offs[-1]), rs, ref[offs[0]:offs[-1]]
 
 
@@ -306,10 +309,7 @@ def check_gluon_fp8_gemm(c: dict, dev, problem=None, against_tl: bool = True) ->
     to the summation order, the tensor core's FP8 accumulation within one 128-wide K block and the bf16 output),
     within :data:`GLUON_FP8_TL_TOL` of the tl FP8 GEMM (``against_tl``), and the rows of no expert left unwritten.
     ``problem``: :func:`gluon_fp8_problem`'s tuple, when the caller made it."""
-    from .. import options
-    from ..kernels import grouped_gemm
     from ..kernels.grouped_gemm import gluon_fp8
-    from ..kernels.grouped_gemm import plan as gemm_plan
     x8, w8, offsets, (lo, hi), rs, ref = gluon_fp8_problem(c, dev) if problem is None else problem
     variant = c["variant"]
     out = torch.full((x8.shape[0], c["N"]), float("nan"), dtype=torch.bfloat16, device=x8.device)
@@ -322,12 +322,81 @@ def check_gluon_fp8_gemm(c: dict, dev, problem=None, against_tl: bool = True) ->
     assert torch.isnan(out[:lo].float()).all() and torch.isnan(out[hi:].float()).all(), \
         f"{variant}: rows of no expert written"
     if against_tl:
-        gemm_plan.clear_cache()
-        with options.override(autotune="off"):  # the first config: no tuning run per drawn shape
-            t = grouped_gemm(x8, w8, offsets=offsets, row_scale=rs)[lo:hi].float()
+        t = _tl_fp8_gemm(x8, w8, offsets, rs, False)[lo:hi].float()
         diff, tn = (o - t).norm().item(), t.norm().item()
         assert diff <= GLUON_FP8_TL_TOL * tn + 1e-30, (
             f"{variant}: rel diff to the tl FP8 GEMM {diff / max(tn, 1e-30):.3e} > {GLUON_FP8_TL_TOL}")
+
+
+def _tl_fp8_gemm(x8, w8, offsets, rs, swiglu: bool):
+    """The tl FP8 grouped GEMM of the same operands in its first config (no tuning run per drawn shape): GEMM2's
+    bf16 rows, or with ``swiglu`` GEMM1's FP8 output (an Fp8Tensor)."""
+    from .. import options
+    from ..kernels import grouped_gemm
+    from ..kernels.grouped_gemm import plan as gemm_plan
+    gemm_plan.clear_cache()
+    with options.override(autotune="off"):
+        return grouped_gemm(x8, w8, offsets=offsets, row_scale=rs, swiglu=swiglu, quantize_out=swiglu)
+
+
+GLUON_FP8_SWIGLU_TOL = GLUON_FP8_TL_TOL
+"""The Gluon FP8 GEMM1's dequantized output against that of the reference's quantization of the fp32 SwiGLU values
+(``swiglu_fp8_ref``), and against the tl FP8 GEMM1's: both sides are quantized by one rule, so they differ only
+where a value's fp32 sums (their order, the tensor core's FP8 accumulation within a 128-wide K block) put it on the
+other side of a rounding boundary: one code step (2^-4 to 2^-3 of the value where normal) for a fraction of the
+codes about the sums' relative error over the step, a relative norm near 1e-3 where the sums agree to 1e-4; the
+bound leaves room for sums ten times further apart."""
+
+GLUON_FP8_SCALE_TOL = 2e-3
+"""Its scales (a row block's amax / 448, one IEEE division on both sides) against the other's: relative, each; the
+amax is the block's largest SwiGLU value, whose sums hold their relative error (about 1e-4: the bound leaves room
+for ten times that, and a scale off by it moves the block's values by as much, well within
+:data:`GLUON_FP8_SWIGLU_TOL`)."""
+
+GLUON_FP8_SAME_CODES = 0.9
+"""The fraction of its codes at least identical to the other's: rounding boundaries are crossed rarely (see
+:data:`GLUON_FP8_SWIGLU_TOL`), while a wrong rounding rule (truncation, no saturation) changes about half."""
+
+
+def assert_fp8_rows_close(q, s, q_ref, s_ref, what: str) -> None:
+    """FP8 activations (codes ``[R, I]``, scales ``[R, ceil(I / 128)]``) against others of the same rows: finite
+    scales each within :data:`GLUON_FP8_SCALE_TOL` of the other's, dequantized values within
+    :data:`GLUON_FP8_SWIGLU_TOL` relative Frobenius error, at least :data:`GLUON_FP8_SAME_CODES` of the codes
+    identical."""
+    from ..reference import dequantize_fp8_ref
+    q, s, q_ref, s_ref = (t.cpu() for t in (q, s, q_ref, s_ref))
+    v, v_ref = dequantize_fp8_ref(q, s, 1), dequantize_fp8_ref(q_ref, s_ref, 1)
+    assert torch.isfinite(s).all() and torch.isfinite(v).all(), f"{what}: a covered row was not written (or is NaN)"
+    err, norm = (v - v_ref).norm().item(), v_ref.norm().item()
+    assert err <= GLUON_FP8_SWIGLU_TOL * norm + 1e-30, \
+        f"{what}: rel err {err / max(norm, 1e-30):.3e} > {GLUON_FP8_SWIGLU_TOL}"
+    worst = ((s - s_ref).abs() / s_ref).max().item() if s.numel() else 0.0
+    assert worst <= GLUON_FP8_SCALE_TOL, f"{what}: a scale's rel diff {worst:.3e} > {GLUON_FP8_SCALE_TOL}"
+    same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item() if q.numel() else 1.0
+    assert same >= GLUON_FP8_SAME_CODES, f"{what}: only {same:.3f} of the codes identical (< {GLUON_FP8_SAME_CODES})"
+
+
+def check_gluon_fp8_swiglu_gemm(c: dict, dev, problem=None, against_tl: bool = True) -> None:
+    """The Gluon FP8 GEMM1 (SwiGLU, FP8 out; sm_90a) of a ``gluon_fp8_cases(swiglu=True)`` case in its variant, into
+    NaN-poisoned codes and scales: the covered rows against ``swiglu_fp8_ref`` of the fp32 reference's SwiGLU values
+    and (``against_tl``) against the tl FP8 GEMM1's output, by :func:`assert_fp8_rows_close`; the rows of no expert
+    left unwritten. ``problem``: :func:`gluon_fp8_problem`'s tuple (``swiglu``), when the caller made it."""
+    from ..kernels.fp8 import Fp8Tensor, fp8_scales_shape
+    from ..kernels.grouped_gemm import gluon_fp8
+    from ..reference import swiglu_fp8_ref
+    x8, w8, offsets, (lo, hi), _, h = gluon_fp8_problem(c, dev) if problem is None else problem
+    variant, M, I = c["variant"], x8.shape[0], c["N"]
+    nan_code = torch.full((M, I), 0x7F, dtype=torch.uint8, device=x8.device).view(torch.float8_e4m3fn)
+    out = Fp8Tensor(nan_code, torch.full(fp8_scales_shape((M, I), 1), float("nan"), device=x8.device), 1)
+    got = gluon_fp8.gluon_fp8_swiglu_grouped_gemm(x8, w8, offsets, out=out, variant=variant)
+    assert got is out, "gluon_fp8_swiglu_grouped_gemm did not return its out= Fp8Tensor"
+    for part in (out.data.float(), out.scales):
+        assert torch.isnan(part[:lo]).all() and torch.isnan(part[hi:]).all(), f"{variant}: rows of no expert written"
+    q, s = out.data[lo:hi], out.scales[lo:hi]
+    assert_fp8_rows_close(q, s, *swiglu_fp8_ref(h), f"{variant} against the reference")
+    if against_tl:
+        t = _tl_fp8_gemm(x8, w8, offsets, None, True)
+        assert_fp8_rows_close(q, s, t.data[lo:hi], t.scales[lo:hi], f"{variant} against the tl FP8 GEMM1")
 
 
 def gluon_fp8_unavailable() -> str | None:
@@ -485,4 +554,6 @@ PROPERTIES = {
     "dispatch_fp8": Property(S.layer_cases, check_dispatch_fp8),
     "gluon_nvfp4_grouped_gemm": Property(S.gluon_nvfp4_cases, check_gluon_nvfp4_gemm, gluon_nvfp4_unavailable),
     "gluon_fp8_grouped_gemm": Property(S.gluon_fp8_cases, check_gluon_fp8_gemm, gluon_fp8_unavailable),
+    "gluon_fp8_swiglu_grouped_gemm": Property(lambda b: S.gluon_fp8_cases(b, swiglu=True), check_gluon_fp8_swiglu_gemm,
+                                              gluon_fp8_unavailable),
 }

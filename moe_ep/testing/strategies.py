@@ -126,20 +126,22 @@ def gluon_nvfp4_cases(draw, b: Bounds = TINY):
 
 
 @st.composite
-def gluon_fp8_cases(draw, b: Bounds = TINY):
-    """A problem of the Gluon FP8 block-scaled grouped GEMM (GEMM2's form), prefill-class: 1-8 experts, K a multiple
-    of 16 (not always of 128: a short last scale block; one block, or several), N not always a multiple of the tile
-    (nor of the 128-row scale blocks), up to 300 rows per expert (several row tiles), empty experts, rows of no expert
-    before the first offset and after the last, with or without a routing weight per row, values of several
-    magnitudes and exact zeros, and the kernel variant (``gluon_fp8.VARIANTS``). A GPU-only kernel: the shapes are
+def gluon_fp8_cases(draw, b: Bounds = TINY, swiglu: bool = False):
+    """A problem of the Gluon FP8 block-scaled grouped GEMM, prefill-class: 1-8 experts, K a multiple of 16 (not
+    always of 128: a short last scale block; one block, or several), N not always a multiple of the tile (nor of the
+    128-row scale blocks), up to 300 rows per expert (several row tiles), empty experts, rows of no expert before the
+    first offset and after the last, values of several magnitudes and exact zeros, and the kernel variant. GEMM2's
+    form (``gluon_fp8.VARIANTS``) with or without a routing weight per row; with ``swiglu`` GEMM1's
+    (``gluon_fp8.SWIGLU_VARIANTS``; N is I, of w13's 2I rows), which takes none. A GPU-only kernel: the shapes are
     its own, ``b`` is not read."""
-    from ..kernels.grouped_gemm.gluon_fp8 import VARIANTS
+    from ..kernels.grouped_gemm.gluon_fp8 import SWIGLU_VARIANTS, VARIANTS
     G = draw(st.integers(1, 8))
     return dict(G=G, K=draw(st.sampled_from([16, 128, 272, 512, 1040])), N=draw(st.sampled_from([8, 64, 200, 384])),
                 counts=draw(expert_counts(G, draw(st.sampled_from([1, 64, 130, 300])))), lead=draw(st.integers(0, 2)),
-                pad=draw(st.integers(0, 3)), row_scale=draw(st.booleans()),
+                pad=draw(st.integers(0, 3)), row_scale=not swiglu and draw(st.booleans()),
                 scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
-                variant=draw(st.sampled_from(sorted(VARIANTS))), seed=draw(_seeds))
+                variant=draw(st.sampled_from(sorted(SWIGLU_VARIANTS if swiglu else VARIANTS))), swiglu=swiglu,
+                seed=draw(_seeds))
 
 
 X_FORMATS = ("bf16", "nvfp4", "nvfp4_rows")

@@ -30,8 +30,17 @@ device-side offsets alone (no host sync); empty experts own no tiles. Row tiles 
 likewise. K need not be a multiple of 128 (TMA fills the last block's columns past K with zeros), but TMA needs
 16-byte row strides: K a multiple of 16.
 
-Named variants (:data:`VARIANTS`) choose the consumers and the overlap; the GEMM1 form (SwiGLU, FP8 out) would be a
-second epilogue on the same loop (gate and up tiles as two w loads into two accumulators).
+Named variants (:data:`VARIANTS`) choose the consumers and the overlap.
+
+GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
+gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
+block of the output, so that its epilogue sees every value a scale is the amax of. Its gate and up sums (two
+64 x 128 fp32 tiles a warpgroup) and a product besides would take 192 registers, which spills (as OVERLAP at BLOCK_N
+128 does), so the tile is two passes over K of 64 channels each: a pass's slot holds x's tile and a w tile of the 64
+gate rows over their 64 up rows (two TMA boxes into the slot's halves), one wgmma of N 128 gives both halves' product,
+and the promotion takes gate's scale for the first 64 columns and up's for the rest. Between the passes a warpgroup
+keeps the first pass's 64 x 64 SwiGLU values; x's tile is loaded again for the second (from L2). The epilogue
+(``gluon_fp8_swiglu``) quantizes the block from both passes.
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import device_facts
 from ...errors import MoEEpConfigError, check
-from ..fp8 import FP8_BLOCK, Fp8Tensor
+from ..fp8 import FP8_BLOCK, Fp8Tensor, fp8_scales_shape
+from .gluon_fp8_swiglu import store_fp8_block, swiglu_pass
 
 BLOCK_K = FP8_BLOCK  # one scale block per ring slot
 WG_ROWS = 64  # rows per math warpgroup: the wgmma M of one warpgroup
@@ -64,6 +74,17 @@ VARIANTS = {
 (128-144 KB of shared memory at these depths). With OVERLAP a warpgroup holds two products besides its accumulator:
 at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64, none do (compile checks)."""
 DEFAULT_VARIANT = "coop"
+
+SWIGLU_VARIANTS = {
+    # name: (math warpgroups, OVERLAP (never: two products of 128 columns would spill), slot rows, ring stages)
+    "coop": (2, False, 128, 4),  # two warpgroups on 128 rows x 128 channels, each pass's slot 64 gate + 64 up rows
+    "single": (1, False, 128, 8),  # one warpgroup on 64 rows x 128 channels, a deeper ring
+}
+"""GEMM1's variants (:func:`gluon_fp8_swiglu_grouped_gemm`), as :data:`VARIANTS`: a tile is 128 output channels, one
+scale block, in two passes of 64 (a warpgroup holds one pass's 64 x 128 sums and product, and the first pass's
+64 x 64 SwiGLU values through the second); a slot takes (64 * CONSUMERS + 128) * 128 bytes (128 KB for coop,
+192 KB for single)."""
+DEFAULT_SWIGLU_VARIANT = "coop"
 
 # TMA's global -> shared copy: Triton 3.6 ``async_copy_global_to_shared``, 3.9 ``async_load`` (the same arguments:
 # descriptor, coordinates, mbarrier, destination)
@@ -102,13 +123,16 @@ def _k_steps(K, BK: gl.constexpr, OVERLAP: gl.constexpr):
 
 @gluon.jit
 def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr):
-    """1 warp: for every tile of this program, fill ring slot i % STAGES with K step i's x and w tiles once every
-    consumer freed it (:func:`_k_steps` of them a tile)."""
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr):
+    """1 warp: for every tile of this program (and with SWIGLU each of its two passes), fill ring slot i % STAGES with
+    K step i's x and w tiles once every consumer freed it (:func:`_k_steps` of them a pass). SWIGLU: w is
+    ``[G * 2N, K]`` (gate rows, then up rows), and a slot's w tile is the pass's gate rows over its up rows."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
+    BN: gl.constexpr = w_ring.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    HALF: gl.constexpr = BN // 2
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + BN * BK  # e4m3: a byte an element
+    PASSES: gl.constexpr = 2 if SWIGLU else 1
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     k_steps = _k_steps(K, BK, OVERLAP)
@@ -121,27 +145,49 @@ def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G
         for t in range(_first_tile(first, pid, P), last, P):
             local = t - first
             row0 = start + (local % m_tiles) * BM
-            wrow = g * N + (local // m_tiles) * BN  # row of the [G * N, K] weight view
-            for ks in range(k_steps):
-                slot = i % STAGES
-                # a fresh barrier counts as having completed the phase before phase 0: the first pass does not wait
-                mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, nbytes)
-                _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
-                _tma_load(w_desc, [wrow, ks * BK], bar, w_ring.index(slot))
-                i += 1
+            n0 = (local // m_tiles) * BN
+            for p in gl.static_range(PASSES):
+                for ks in range(k_steps):
+                    slot = i % STAGES
+                    # a fresh barrier counts as having completed the phase before phase 0: the first pass does not
+                    # wait
+                    mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+                    bar = ready.index(slot)
+                    mbarrier.expect(bar, nbytes)
+                    _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
+                    if SWIGLU:
+                        gate = g * 2 * N + n0 + p * HALF  # row of the [G * 2N, K] weight view
+                        _tma_load(w_desc, [gate, ks * BK], bar, w_ring.index(slot).slice(0, HALF, dim=0))
+                        _tma_load(w_desc, [gate + N, ks * BK], bar, w_ring.index(slot).slice(HALF, HALF, dim=0))
+                    else:
+                        _tma_load(w_desc, [g * N + n0, ks * BK], bar, w_ring.index(slot))
+                    i += 1
         first = last
 
 
 @gluon.jit
-def _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, ks, KB):
-    """The fp32 factor of K block ks per accumulator row: x's scale of the row times w's of the tile's 128 weight
-    rows (0 for a K block past the last one: the zero blocks that pad OVERLAP's groups)."""
+def _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGLU: gl.constexpr):
+    """The fp32 factors of K block ks per accumulator row: x's scale of the row times w's of the tile's weight rows
+    (one scale block), and with SWIGLU the same for the up rows (scale row ``up_srow``); 0 for a K block past the
+    last one (the zero blocks that pad OVERLAP's groups)."""
     ok = ks < KB
     xs = gl.load(xs_ptr + rows * KB + ks, mask=rmask & ok, other=0.0)
-    ws = gl.load(ws_ptr + srow * KB + ks, mask=ok, other=0.0)
-    return xs * ws
+    s = xs * gl.load(ws_ptr + srow * KB + ks, mask=ok, other=0.0)
+    s_up = s
+    if SWIGLU:
+        s_up = xs * gl.load(ws_ptr + up_srow * KB + ks, mask=ok, other=0.0)
+    return s, s_up
+
+
+@gluon.jit
+def _scaled(d, s, s_up, up_cols, SWIGLU: gl.constexpr):
+    """A K block's product times its factors (:func:`_block_scales`): with SWIGLU, up's columns (``up_cols``) take
+    up's, as the tl kernel selects them per column."""
+    if SWIGLU:
+        out = d * gl.where(up_cols[None, :], s_up[:, None], s[:, None])
+    else:
+        out = d * s[:, None]
+    return out
 
 
 @gluon.jit
@@ -157,16 +203,70 @@ def _mma_step(x_ring, w_ring, ready, i, spare, WG: gl.constexpr, STAGES: gl.cons
 
 
 @gluon.jit
-def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow, up_srow, KB, KB_STEPS, i, da, db,
+                   up_cols, WG: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr):
+    """One pass over K of this warpgroup's rows of a tile, every block's product promoted: ``(acc, da, db, i)``, the
+    fp32 sums, the product buffers (carried on, so that every MMA writes into registers of a promoted product) and
+    the ring position after the pass."""
+    if OVERLAP:
+        # two products a and b alternate over the K blocks, each promoted while the other's MMA runs (wait(1):
+        # every MMA but the one issued last is done); a group of 2 * PAIRS blocks per iteration ends with nothing in
+        # flight, so that no in-flight product is carried over the loop's back edge
+        acc = gl.zeros_like(da)
+        for k0 in range(0, KB_STEPS, 2 * PAIRS):
+            pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+            sa, sa_up = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, k0, KB, SWIGLU)
+            for u in gl.static_range(PAIRS):
+                pb = _mma_step(x_ring, w_ring, ready, i + 1, db, WG, STAGES)
+                sb, sb_up = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, k0 + 2 * u + 1, KB, SWIGLU)
+                da = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
+                mbarrier.arrive(empty.index(i % STAGES), count=1)
+                acc = acc + _scaled(da, sa, sa_up, up_cols, SWIGLU)
+                if u + 1 < PAIRS:
+                    pa = _mma_step(x_ring, w_ring, ready, i + 2, da, WG, STAGES)
+                    sa, sa_up = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, k0 + 2 * u + 2, KB,
+                                              SWIGLU)
+                    db = warpgroup_mma_wait(num_outstanding=1, deps=(pb, ))
+                else:
+                    db = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
+                mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+                acc = acc + _scaled(db, sb, sb_up, up_cols, SWIGLU)
+                i += 2
+    else:
+        # each step's scales are loaded a step ahead: their latency hides behind the MMA of the step before
+        s, s_up = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, 0, KB, SWIGLU)
+        pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+        s_next, s_next_up = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, 1, KB, SWIGLU)
+        da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
+        mbarrier.arrive(empty.index(i % STAGES), count=1)
+        acc = _scaled(da, s, s_up, up_cols, SWIGLU)
+        i += 1
+        for ks in range(1, KB_STEPS):
+            s = s_next
+            s_up = s_next_up
+            pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+            s_next, s_next_up = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks + 1, KB, SWIGLU)
+            da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
+            mbarrier.arrive(empty.index(i % STAGES), count=1)
+            acc = acc + _scaled(da, s, s_up, up_cols, SWIGLU)
+            i += 1
+    return acc, da, db, i
+
+
+@gluon.jit
+def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
               WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              HAS_RS: gl.constexpr):
+              HAS_RS: gl.constexpr, SWIGLU: gl.constexpr):
     """Math warpgroup WG: rows WG * 64 .. WG * 64 + 63 of each of this program's tiles, promoted per K block, then
-    (times the row's routing weight with HAS_RS) stored as bf16 where the row is its expert's and the column < N."""
+    (times the row's routing weight with HAS_RS) stored as bf16 where the row is its expert's and the column < N; with
+    SWIGLU, two passes of 64 channels each, their SwiGLU values stored as FP8 (``gluon_fp8_swiglu``)."""
     BN: gl.constexpr = w_ring.shape[1]
     BK: gl.constexpr = w_ring.shape[2]
     BM: gl.constexpr = _WG_ROWS * CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BN, 32])
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN // 2, 32])
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     KB = gl.cdiv(K, BK)
@@ -174,6 +274,7 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, 
     KB_STEPS = _k_steps(K, BK, OVERLAP)
     r_off = WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, acc_layout))
     c_off = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    up_cols = c_off >= BN // 2  # SWIGLU: the slot's second half of rows, up's
     # product buffers carried from tile to tile, so that every MMA writes into registers of a promoted product
     da = gl.zeros([_WG_ROWS, BN], gl.float32, acc_layout)
     db = gl.zeros([_WG_ROWS, BN], gl.float32, acc_layout)
@@ -185,67 +286,48 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, 
         last = first + m_tiles * N_TILES
         for t in range(_first_tile(first, pid, P), last, P):
             local = t - first
+            row0 = start + (local % m_tiles) * BM + WG * _WG_ROWS
             rows = start + (local % m_tiles) * BM + r_off
             n0 = (local // m_tiles) * BN
             rmask = rows < end
-            srow = g.to(gl.int64) * n_blocks + n0 // 128  # the tile's weight rows are one scale block
-            if OVERLAP:
-                # two products a and b alternate over the K blocks, each promoted while the other's MMA runs
-                # (wait(1): every MMA but the one issued last is done); a group of 2 * PAIRS blocks per iteration
-                # ends with nothing in flight, so that no in-flight product is carried over the loop's back edge
-                acc = gl.zeros([_WG_ROWS, BN], gl.float32, acc_layout)
-                for k0 in range(0, KB_STEPS, 2 * PAIRS):
-                    pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
-                    sa = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, k0, KB)
-                    for u in gl.static_range(PAIRS):
-                        pb = _mma_step(x_ring, w_ring, ready, i + 1, db, WG, STAGES)
-                        sb = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, k0 + 2 * u + 1, KB)
-                        da = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
-                        mbarrier.arrive(empty.index(i % STAGES), count=1)
-                        acc = acc + da * sa[:, None]
-                        if u + 1 < PAIRS:
-                            pa = _mma_step(x_ring, w_ring, ready, i + 2, da, WG, STAGES)
-                            sa = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, k0 + 2 * u + 2, KB)
-                            db = warpgroup_mma_wait(num_outstanding=1, deps=(pb, ))
-                        else:
-                            db = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
-                        mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
-                        acc = acc + db * sb[:, None]
-                        i += 2
+            if SWIGLU:
+                # gate's row blocks, then up's (Fp8Tensor.gate_up); the tile's 128 channels are one block of each
+                srow = g.to(gl.int64) * (2 * n_blocks) + n0 // 128
+                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES,
+                                                OVERLAP, SWIGLU)
+                h0 = swiglu_pass(acc, n0, N, half_layout)
+                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES,
+                                                OVERLAP, SWIGLU)
+                h1 = swiglu_pass(acc, n0 + BN // 2, N, half_layout)
+                store_fp8_block(h0, h1, out_ptr, os_ptr, row0, end, n0, N)
             else:
-                # each step's scales are loaded a step ahead: their latency hides behind the MMA of the step before
-                s = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, 0, KB)
-                pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
-                s_next = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, 1, KB)
-                da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
-                mbarrier.arrive(empty.index(i % STAGES), count=1)
-                acc = da * s[:, None]
-                i += 1
-                for ks in range(1, KB_STEPS):
-                    s = s_next
-                    pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
-                    s_next = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, ks + 1, KB)
-                    da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
-                    mbarrier.arrive(empty.index(i % STAGES), count=1)
-                    acc = acc + da * s[:, None]
-                    i += 1
-            if HAS_RS:
-                acc = acc * gl.load(rs_ptr + rows, mask=rmask, other=0.0)[:, None]
-            cols = n0 + c_off
-            ptrs = out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
-            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < N))
+                srow = g.to(gl.int64) * n_blocks + n0 // 128  # the tile's weight rows are one scale block
+                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                srow, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES, OVERLAP, SWIGLU)
+                if HAS_RS:
+                    acc = acc * gl.load(rs_ptr + rows, mask=rmask, other=0.0)[:, None]
+                cols = n0 + c_off
+                ptrs = out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
+                gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < N))
         first = last
 
 
 @gluon.jit
-def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, M, N, K, G, N_TILES,
-                      CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr):
-    """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring)."""
+def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, M, N, K, G, N_TILES,
+                      CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr,
+                      SWIGLU: gl.constexpr):
+    """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). N: the output's
+    columns (GEMM1: I, of w's 2I rows per expert)."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
+    # GEMM1: a slot's w tile is the gate and up boxes stacked
+    BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU else 1)
     gl.static_assert(BM == _WG_ROWS * CONSUMERS, "a math warpgroup per 64 tile rows")
     gl.static_assert(128 % BN == 0, "the tile's weight rows lie in one 128-row scale block")
+    gl.static_assert(not SWIGLU or (BN == 128 and not OVERLAP and not HAS_RS),
+                     "GEMM1: one 128-channel scale block a tile, one product in flight, no routing weight")
     x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -256,19 +338,19 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr,
     fence_async_shared()
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
-                         0, CONSUMERS, STAGES, OVERLAP, HAS_RS)),
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
-                         1, CONSUMERS, STAGES, OVERLAP, HAS_RS)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
             (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
-                         OVERLAP)),
+                         OVERLAP, SWIGLU)),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
-                         0, CONSUMERS, STAGES, OVERLAP, HAS_RS)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
             (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
-                         OVERLAP)),
+                         OVERLAP, SWIGLU)),
         ], [1], [24])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
@@ -276,8 +358,8 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, offs_ptr,
 
 
 def unavailable_reason() -> str | None:
-    """Why :func:`gluon_fp8_grouped_gemm` cannot run here, or None where it can: it needs an sm_90 GPU
-    (:func:`device_facts.sm90_unavailable_reason`)."""
+    """Why :func:`gluon_fp8_grouped_gemm` (and :func:`gluon_fp8_swiglu_grouped_gemm`) cannot run here, or None where
+    it can: it needs an sm_90 GPU (:func:`device_facts.sm90_unavailable_reason`)."""
     return device_facts.sm90_unavailable_reason()
 
 
@@ -286,20 +368,26 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-def check_gluon_fp8(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, row_scale: torch.Tensor | None = None,
-                    variant: str = DEFAULT_VARIANT, num_programs: int | None = None) -> None:
-    """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_fp8_grouped_gemm` takes (no device
-    is touched; the device checks come last)."""
-    check(isinstance(w, Fp8Tensor), "type(w)", type(w).__name__, "an Fp8Tensor [G, N, K] (block_rows 128)")
+def _check_weights(w: Fp8Tensor, shape: str) -> tuple[int, int, int]:
+    """w's own checks, both forms: an Fp8Tensor ``[G, R, K]`` of 128x128 blocks, G and R positive, G at most
+    :data:`MAX_EXPERTS`, K a positive multiple of 16; its shape."""
+    check(isinstance(w, Fp8Tensor), "type(w)", type(w).__name__, f"an Fp8Tensor {shape} (block_rows 128)")
     w.check("w")
-    check(w.data.dim() == 3, "w.shape", tuple(w.shape), "[G, N, K] (3-D)")
+    check(w.data.dim() == 3, "w.shape", tuple(w.shape), f"{shape} (3-D)")
     check(w.block_rows == 128, "w.block_rows", w.block_rows, "128 (one scale per 128x128 weight block)")
-    check(not w.gate_up, "w.gate_up", w.gate_up, "False (GEMM2's form: no SwiGLU)")
-    G, N, K = w.shape
-    check(G > 0 and N > 0, "w.shape", tuple(w.shape), "G > 0 and N > 0")
+    G, R, K = w.shape
+    check(G > 0 and R > 0, "w.shape", tuple(w.shape), "G > 0 and N > 0")
     check(G <= MAX_EXPERTS, "w.shape[0] (G)", G, f"<= {MAX_EXPERTS}")
     check(K % K_MULTIPLE == 0 and K > 0, "w.shape[2] (K)", K,
           f"a positive multiple of {K_MULTIPLE} (TMA: the e4m3 rows must be 16-byte multiples)")
+    return G, R, K
+
+
+def _check_rows(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, variants: dict, variant: str,
+                num_programs: int | None) -> None:
+    """The checks both forms share past w's own: x against w, the offsets, the variant, the grid (no device is
+    touched)."""
+    G, _, K = w.shape
     check(isinstance(x, Fp8Tensor), "type(x)", type(x).__name__, "an Fp8Tensor [M, K] (block_rows 1)")
     x.check("x")
     check(x.block_rows == 1 and not x.gate_up, "x.block_rows", x.block_rows, "1 (one scale per row per 128 columns)")
@@ -308,19 +396,76 @@ def check_gluon_fp8(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, row_scale
     check(isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int32, "offsets.dtype",
           getattr(offsets, "dtype", type(offsets).__name__), "torch.int32")
     check(tuple(offsets.shape) == (G + 1, ), "offsets.shape", tuple(offsets.shape), f"({G + 1},) (G + 1)")
+    check(variant in variants, "variant", variant, " / ".join(variants))
+    check(num_programs is None or (isinstance(num_programs, int) and num_programs > 0), "num_programs", num_programs,
+          "None or a positive int")
+
+
+def _check_devices(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor) -> None:
+    """The device checks, which come last (so that the others run on CPU tensors)."""
+    check(x.device.type == "cuda" and w.device == x.device, "x.device", str(x.device),
+          f"a CUDA device, the weights' ({w.device})")
+    check(offsets.device == x.device, "offsets.device", str(offsets.device), str(x.device))
+
+
+def check_gluon_fp8(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, row_scale: torch.Tensor | None = None,
+                    variant: str = DEFAULT_VARIANT, num_programs: int | None = None) -> None:
+    """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_fp8_grouped_gemm` takes (no device
+    is touched; the device checks come last)."""
+    _check_weights(w, "[G, N, K]")
+    check(not w.gate_up, "w.gate_up", w.gate_up, "False (GEMM2's form: no SwiGLU)")
+    _check_rows(x, w, offsets, VARIANTS, variant, num_programs)
     if row_scale is not None:
         check(isinstance(row_scale, torch.Tensor) and row_scale.dtype == torch.float32, "row_scale.dtype",
               getattr(row_scale, "dtype", type(row_scale).__name__), "torch.float32")
         check(tuple(row_scale.shape) == (x.shape[0], ), "row_scale.shape", tuple(row_scale.shape),
               f"({x.shape[0]},) (one weight per row of x)")
-    check(variant in VARIANTS, "variant", variant, " / ".join(VARIANTS))
-    check(num_programs is None or (isinstance(num_programs, int) and num_programs > 0), "num_programs", num_programs,
-          "None or a positive int")
-    check(x.device.type == "cuda" and w.device == x.device, "x.device", str(x.device),
-          f"a CUDA device, the weights' ({w.device})")
-    check(offsets.device == x.device, "offsets.device", str(offsets.device), str(x.device))
+    _check_devices(x, w, offsets)
     if row_scale is not None:
         check(row_scale.device == x.device, "row_scale.device", str(row_scale.device), str(x.device))
+
+
+def check_gluon_fp8_swiglu(x: Fp8Tensor, w13: Fp8Tensor, offsets: torch.Tensor, out: Fp8Tensor | None = None,
+                           variant: str = DEFAULT_SWIGLU_VARIANT, num_programs: int | None = None) -> None:
+    """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_fp8_swiglu_grouped_gemm` takes (no
+    device is touched; the device checks come last)."""
+    G, R, K = _check_weights(w13, "[G, 2I, K]")
+    check(R % 2 == 0, "w.shape[1] (2I)", R, "even (gate rows, then up rows)")
+    want = fp8_scales_shape(w13.shape, FP8_BLOCK, gate_up=True)
+    check(tuple(w13.scales.shape) == want, "w.scales.shape", tuple(w13.scales.shape),
+          f"{want}: gate's row blocks then up's (an Fp8Tensor with gate_up=True)")
+    _check_rows(x, w13, offsets, SWIGLU_VARIANTS, variant, num_programs)
+    if out is not None:
+        shape = (x.shape[0], R // 2)
+        check(isinstance(out, Fp8Tensor) and out.block_rows == 1 and tuple(out.shape) == shape
+              and out.data.is_contiguous() and out.scales.is_contiguous() and out.device == x.device, "out",
+              f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}",
+              f"None or an Fp8Tensor {shape} (block_rows 1) of contiguous parts on {x.device}")
+    _check_devices(x, w13, offsets)
+
+
+def _launch(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, out: torch.Tensor, out_scales: torch.Tensor,
+            row_scale: torch.Tensor | None, config: tuple, n_out: int, swiglu: bool, num_programs: int | None) -> None:
+    """Launch the kernel on checked arguments (at least one row): descriptors over x ``[M, K]`` and w ``[G * R, K]``
+    (GEMM1's w box is half a slot: the gate box and the up box fill one), the persistent grid."""
+    consumers, overlap, block_n, stages = config
+    block_m = WG_ROWS * consumers
+    G, R, K = w.shape
+    xq = x.data.contiguous()
+    if xq.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
+        xq = xq.clone()
+    wq = w.data.contiguous().view(G * R, K)
+    lay = shared_layouts(block_m, block_n)
+    x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
+    w_desc = TensorDescriptor.from_tensor(wq, [block_n // 2 if swiglu else block_n, BLOCK_K], lay["w"])
+    xs = x.scales.contiguous()
+    rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    n_tiles = -(-n_out // block_n)
+    _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, w.scales.contiguous(), rs, out, out_scales, offsets,
+                                        x.shape[0], n_out, K, G, n_tiles, CONSUMERS=consumers, OVERLAP=overlap,
+                                        STAGES=stages, HAS_RS=row_scale is not None, SWIGLU=swiglu, num_warps=4)
 
 
 def gluon_fp8_grouped_gemm(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, *,
@@ -341,8 +486,7 @@ def gluon_fp8_grouped_gemm(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, *,
     reason = unavailable_reason()
     if reason is not None:
         raise MoEEpConfigError(f"gluon_fp8_grouped_gemm {reason}")
-    G, N, K = w.shape
-    M = x.shape[0]
+    M, N = x.shape[0], w.shape[1]
     if out is None:
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     else:
@@ -350,42 +494,57 @@ def gluon_fp8_grouped_gemm(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, *,
               and out.is_contiguous() and out.device == x.device, "out",
               f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
               f"a contiguous torch.bfloat16 ({M}, {N}) on {x.device}")
-    if M == 0:
-        return out
-    consumers, overlap, block_n, stages = VARIANTS[variant]
-    block_m = WG_ROWS * consumers
-    xq = x.data.contiguous()
-    if xq.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
-        xq = xq.clone()
-    wq = w.data.contiguous().view(G * N, K)
-    lay = shared_layouts(block_m, block_n)
-    x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
-    w_desc = TensorDescriptor.from_tensor(wq, [block_n, BLOCK_K], lay["w"])
-    xs = x.scales.contiguous()
-    ws = w.scales.contiguous()
-    rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
-    if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
-    n_tiles = -(-N // block_n)
-    _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws, rs, out, offsets, M, N, K, G, n_tiles,
-                                        CONSUMERS=consumers, OVERLAP=overlap, STAGES=stages,
-                                        HAS_RS=row_scale is not None, num_warps=4)
+    if M:
+        _launch(x, w, offsets, out, x.scales, row_scale, VARIANTS[variant], N, False, num_programs)
     return out
 
 
-def compile_signature(variant: str, has_rs: bool = True) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant, as a launch builds it,
-    for a GPU-less ``triton.compile`` (compile checks)."""
-    consumers, overlap, block_n, stages = VARIANTS[variant]
+def gluon_fp8_swiglu_grouped_gemm(x: Fp8Tensor, w13: Fp8Tensor, offsets: torch.Tensor, *, out: Fp8Tensor | None = None,
+                                  variant: str = DEFAULT_SWIGLU_VARIANT,
+                                  num_programs: int | None = None) -> Fp8Tensor:
+    """GEMM1 of an FP8 expert MLP on sm_90a (H100 / H200): ``h = silu(x w_gate[g]^T) * (x w_up[g]^T)`` per expert,
+    promoted in fp32 as :func:`gluon_fp8_grouped_gemm` is, quantized per row per 128 channels to the FP8 activations
+    GEMM2 takes, as the tl GEMM1 (``grouped_gemm(..., swiglu=True, quantize_out=True)``) writes them
+    (``reference.swiglu_fp8_ref`` of the fp32 values; ``gluon_fp8_swiglu``).
+
+    ``x``: :class:`Fp8Tensor` ``[M, K]`` (``block_rows`` 1), rows sorted by expert. ``w13``: :class:`Fp8Tensor`
+    ``[G, 2I, K]`` (``block_rows`` 128): gate rows, then up rows, scales gate's row blocks then up's
+    (``[G, 2 * ceil(I/128), ceil(K/128)]``: ``gate_up``, or the plain layout where I % 128 == 0); K a multiple of 16.
+    ``offsets``: int32 ``[G + 1]`` as for :func:`gluon_fp8_grouped_gemm`. Returns an :class:`Fp8Tensor` ``[M, I]``
+    (``block_rows`` 1: e4m3 codes, fp32 scales ``[M, ceil(I/128)]``): ``out`` (contiguous parts on x's device) or a
+    new one of ``torch.empty`` parts; rows outside every expert are not written. ``variant``: one of
+    :data:`SWIGLU_VARIANTS`. ``num_programs``: the persistent grid (default: the SM count). Bad arguments raise
+    :class:`MoEEpInputError`; a machine without an sm_90 GPU raises :class:`MoEEpConfigError`.
+    """
+    check_gluon_fp8_swiglu(x, w13, offsets, out, variant, num_programs)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise MoEEpConfigError(f"gluon_fp8_swiglu_grouped_gemm {reason}")
+    M, I = x.shape[0], w13.shape[1] // 2
+    if out is None:
+        out = Fp8Tensor(torch.empty(M, I, dtype=torch.float8_e4m3fn, device=x.device),
+                        torch.empty(fp8_scales_shape((M, I), 1), dtype=torch.float32, device=x.device), 1)
+    if M:
+        _launch(x, w13, offsets, out.data, out.scales, None, SWIGLU_VARIANTS[variant], I, True, num_programs)
+    return out
+
+
+def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant (of :data:`VARIANTS`, or
+    with ``swiglu`` of :data:`SWIGLU_VARIANTS`), as a launch builds it, for a GPU-less ``triton.compile`` (compile
+    checks)."""
+    consumers, overlap, block_n, stages = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
     lay = shared_layouts(block_m, block_n)
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, {BLOCK_K}],{lay['x']!r}>",
-           "w_desc": f"tensordesc<fp8e4nv[{block_n}, {BLOCK_K}],{lay['w']!r}>",
-           "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": "*bf16", "offs_ptr": "*i32",
-           "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32", "CONSUMERS": "constexpr",
-           "OVERLAP": "constexpr", "STAGES": "constexpr", "HAS_RS": "constexpr"}
-    return (sig, {"CONSUMERS": consumers, "OVERLAP": overlap, "STAGES": stages, "HAS_RS": has_rs},
-            dict(num_warps=4))
+           "w_desc": f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>",
+           "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": "*fp8e4nv" if swiglu else "*bf16",
+           "os_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
+           "CONSUMERS": "constexpr", "OVERLAP": "constexpr", "STAGES": "constexpr", "HAS_RS": "constexpr",
+           "SWIGLU": "constexpr"}
+    return (sig, {"CONSUMERS": consumers, "OVERLAP": overlap, "STAGES": stages, "HAS_RS": has_rs and not swiglu,
+                  "SWIGLU": swiglu}, dict(num_warps=4))
 
 
-__all__ = ["gluon_fp8_grouped_gemm", "check_gluon_fp8", "available", "unavailable_reason", "VARIANTS", "K_MULTIPLE"]
+__all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
+           "available", "unavailable_reason", "VARIANTS", "SWIGLU_VARIANTS", "K_MULTIPLE"]
