@@ -347,15 +347,19 @@ other side of a rounding boundary: one code step (2^-4 to 2^-3 of the value wher
 codes about the sums' relative error over the step, a relative norm near 1e-3 where the sums agree to 1e-4; the
 bound leaves room for sums ten times further apart."""
 
-GLUON_FP8_SCALE_TOL = 2e-3
-"""Its scales (a row block's amax / 448, one IEEE division on both sides) against the other's: relative, each; the
-amax is the block's largest SwiGLU value, whose sums hold their relative error (about 1e-4: the bound leaves room
-for ten times that, and a scale off by it moves the block's values by as much, well within
-:data:`GLUON_FP8_SWIGLU_TOL`)."""
+GLUON_FP8_SCALE_TOL = 1e-2
+"""Its scales (a row block's amax / 448, one IEEE division on both sides) against the other's: relative, each. The
+amax is the block's largest SwiGLU value, and within a 128-wide K block Hopper's FP8 MMA adds its products with
+fewer mantissa bits than fp32 (the reason the K blocks are promoted at all), so where a row's gate or up sum
+cancels, its relative error grows past the 1e-4 of a typical sum: 3.8e-3 seen on the H200 (64 rows of one K block,
+8 channels a block); the bound leaves room for about three times that. A scale off by it moves the block's values
+by as much, within :data:`GLUON_FP8_SWIGLU_TOL`."""
 
-GLUON_FP8_SAME_CODES = 0.9
-"""The fraction of its codes at least identical to the other's: rounding boundaries are crossed rarely (see
-:data:`GLUON_FP8_SWIGLU_TOL`), while a wrong rounding rule (truncation, no saturation) changes about half."""
+GLUON_FP8_SAME_CODES = 0.75
+"""The fraction of its codes at least identical to the other's: a code crosses a rounding boundary only where its
+sums differ by a fraction of a code step (see :data:`GLUON_FP8_SWIGLU_TOL`), yet a block of a few channels has few
+codes (one step in a row of 8 is an eighth of them: seen on the H200), while a wrong rounding rule (truncation, no
+saturation) changes about half."""
 
 
 def assert_fp8_rows_close(q, s, q_ref, s_ref, what: str) -> None:
