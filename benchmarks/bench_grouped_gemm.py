@@ -77,7 +77,7 @@ def warm(x, w13, w2, idx, m, table):
     n2, k2 = w2.shape[1], w2.shape[2]
     fp4 = not isinstance(w13, torch.Tensor) and not fp8
     for (n, k, sw), c in zip(((n1, k1, True), (n2, k2, False)), won):
-        if c.config and not any(c.decoded):  # (decoded NVFP4 operands run bf16 tiles)
+        if c.config and c.path == "tl" and not any(c.decoded):  # (decoded NVFP4 operands run bf16 tiles)
             cfg = {k_: c.config[k_] for k_ in config_space.CONFIG_KEYS}
             key = config_space.shape_class(n, k, fp4, sw, fp8, fp8 and sw)
             table.setdefault(key, {})[str(config_space.m_bucket(m))] = cfg
@@ -88,6 +88,8 @@ def short(c):
     if not c or not c.config:
         return "-"
     k = c.config
+    if c.path != "tl":  # a fast path's named variant
+        return f"{c.path}:{k.get('VARIANT', '?')}"
     return (f"{'dec:' if any(c.decoded) else ''}"  # NVFP4 operands decoded to bf16 first
             f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}{'t' if k.get('TMA') else ''}"
             f"/w{k['num_warps']}s{k['num_stages']}")
@@ -174,10 +176,17 @@ def _fp8_columns(row, x, w13, w2, offs, counts, routed, tpe, table):
     xq = quantize_fp8(x, 1)
     row["byte_floor_fp8_us"] = sum(t.data.numel() + 4 * t.scales.numel() for t in (q13, q2)) / BW * 1e6
     row["flop_floor_fp8_us"] = 2 * S * 3 * H * I / FP8_FLOPS * 1e6
-    row["configs_fp8"] = [short(c) for c in warm(xq, q13, q2, dict(offsets=offs), tpe, table)]
+    plans = warm(xq, q13, q2, dict(offsets=offs), tpe, table)
+    row["configs_fp8"] = [short(c) for c in plans]
     ours = expert_mlp(x, q13, q2, offsets=offs)
     row["ours_fp8_us"] = time_graph(lambda: expert_mlp(x, q13, q2, offsets=offs)) * 1e6
     row["ours_fp8_x_us"] = time_graph(lambda: expert_mlp(xq, q13, q2, offsets=offs)) * 1e6
+    if any(p.path != "tl" for p in plans):  # the tl kernel beside the fast path, same operands (its peer)
+        with options.override(gluon_fp8_min_m="off"):
+            row["configs_fp8_tl"] = [short(c) for c in warm(xq, q13, q2, dict(offsets=offs), tpe, table)]
+            tl = expert_mlp(xq, q13, q2, offsets=offs)
+            row["ours_fp8_x_tl_us"] = time_graph(lambda: expert_mlp(xq, q13, q2, offsets=offs)) * 1e6
+        row["rel_diff_fp8_x_tl"] = rel_err(expert_mlp(xq, q13, q2, offsets=offs), tl)
     if routed is not None:
         row["ours_fp8_x_routed_us"] = time_graph(lambda: expert_mlp(xq, q13, q2, offsets=routed)) * 1e6
     if tpe <= ROUTED_MAX:
@@ -198,16 +207,16 @@ def _fp8_columns(row, x, w13, w2, offs, counts, routed, tpe, table):
 def _print_fp8(rows):
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"
-    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'fp8':>8} {'fp8 x':>8} {'x rout':>8} {'x mask':>8} "
-          f"{'byteflr':>8} {'flopflr':>8} {'err fp8':>8}  configs (gemm1, gemm2)")
+    print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'fp8':>8} {'fp8 x':>8} {'x tl':>8} {'x rout':>8} "
+          f"{'x mask':>8} {'byteflr':>8} {'flopflr':>8} {'err fp8':>8}  configs (gemm1, gemm2)")
     for r in rows:
         print(f"{r['model'][:16]:16} {r['tokens_per_expert']:5d} {f(r['ours_bf16_us']):>9} {f(r['ours_fp8_us']):>8} "
-              f"{f(r['ours_fp8_x_us']):>8} {f(r.get('ours_fp8_x_routed_us')):>8} "
+              f"{f(r['ours_fp8_x_us']):>8} {f(r.get('ours_fp8_x_tl_us')):>8} {f(r.get('ours_fp8_x_routed_us')):>8} "
               f"{f(r.get('ours_fp8_x_masked_us')):>8} {f(r['byte_floor_fp8_us']):>8} {f(r['flop_floor_fp8_us']):>8} "
               f"{r['rel_err_fp8']:8.1e}  {','.join(r['configs_fp8'])}")
     print("FP8 weights (W8A8, 128x128 weight blocks, per-token 128-channel activation scales): fp8: from bf16 x "
           "(quantized per token inside the MLP); fp8 x: x already FP8 (as an FP8 dispatch delivers it), uniform / "
-          "routed / masked; floors: FP8 weight + scale bytes / 4.8 TB/s, FLOPs / 1979 TFLOP/s (dense FP8 peak); "
+          "routed / masked; x tl: fp8 x on the tl kernel where the plan took a fast path (the Gluon FP8 GEMMs); floors: FP8 weight + scale bytes / 4.8 TB/s, FLOPs / 1979 TFLOP/s (dense FP8 peak); "
           "err: against torch on the dequantized operands with a bf16 intermediate")
 
 

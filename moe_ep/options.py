@@ -11,6 +11,9 @@ variable                    field                 values
 ``MOE_EP_AUTOTUNE_QUICK``   ``autotune_quick``    bool: search at most 3 grouped-GEMM configs per shape class
 ``MOE_EP_DECODED_MIN_M``    ``decoded_min_m``     a positive int (tokens per expert), or off (``None``: never)
 ``MOE_EP_GEMM_CHAIN``       ``gemm_chain``        bool: the expert MLP chains GEMM2 onto GEMM1 at decode shapes
+``MOE_EP_GLUON_FP8_MIN_M``  ``gluon_fp8_min_m``   a positive int (tokens per expert), or off (``None``: never): from
+                                                  this bucket on, ragged FP8 GEMMs run the Gluon fast path where it
+                                                  is verified (``grouped_gemm/gluon_fp8.py``)
 ``MOE_EP_CONFIG_DIR``       ``config_dir``        a folder searched for tuned configs first (``None``: unset)
 ==========================  ====================  ===================================================================
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 from .errors import MoEEpConfigError
 
 DEFAULT_DECODED_MIN_M = 512  # from this many tokens per expert on, NVFP4 weights are decoded to bf16 copies first
+DEFAULT_GLUON_FP8_MIN_M = 128  # from this many tokens per expert on, ragged FP8 GEMMs take the Gluon kernels
 
 _TRUE = ("1", "on", "true", "yes")
 _FALSE = ("0", "off", "false", "no")
@@ -54,12 +58,14 @@ class Options:
     autotune_quick: bool = False
     decoded_min_m: int | None = DEFAULT_DECODED_MIN_M
     gemm_chain: bool = True
+    gluon_fp8_min_m: int | None = DEFAULT_GLUON_FP8_MIN_M
     config_dir: str | None = None
     user_config_dir: str | None = None  # set by parse(); not overridable (it is no MOE_EP_ option)
 
 
 ENV = {"autotune": "MOE_EP_AUTOTUNE", "autotune_quick": "MOE_EP_AUTOTUNE_QUICK",
-       "decoded_min_m": "MOE_EP_DECODED_MIN_M", "gemm_chain": "MOE_EP_GEMM_CHAIN", "config_dir": "MOE_EP_CONFIG_DIR"}
+       "decoded_min_m": "MOE_EP_DECODED_MIN_M", "gemm_chain": "MOE_EP_GEMM_CHAIN",
+       "gluon_fp8_min_m": "MOE_EP_GLUON_FP8_MIN_M", "config_dir": "MOE_EP_CONFIG_DIR"}
 """Field name -> environment variable."""
 
 
@@ -74,7 +80,7 @@ def _bool(name: str, value) -> bool:
     raise MoEEpConfigError(f"{name} = {value!r}; allowed: {BOOL_VALUES}")
 
 
-def _decoded_min_m(name: str, value) -> int | None:
+def _min_m(name: str, value) -> int | None:
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -99,8 +105,8 @@ def _path(name: str, value) -> str | None:
     return text or None
 
 
-_PARSE = {"autotune": _bool, "autotune_quick": _bool, "decoded_min_m": _decoded_min_m, "gemm_chain": _bool,
-          "config_dir": _path}
+_PARSE = {"autotune": _bool, "autotune_quick": _bool, "decoded_min_m": _min_m, "gemm_chain": _bool,
+          "gluon_fp8_min_m": _min_m, "config_dir": _path}
 
 
 def parse(env=None) -> Options:
@@ -160,7 +166,7 @@ def override(**values):
     for field, value in values.items():
         if field not in ENV:
             raise MoEEpConfigError(f"options.override({field}=...) = {value!r}; allowed: {sorted(ENV)}")
-        changes[field] = _PARSE[field](field, value) if not (value is None and field == "decoded_min_m") else None
+        changes[field] = _PARSE[field](field, value)
     before = current()
     _current = dataclasses.replace(before, **changes)
     try:

@@ -211,3 +211,200 @@ def test_gluon_fp8_swiglu_without_hopper_raises_config_error(monkeypatch):
     with pytest.raises(MoEEpConfigError, match="needs an sm_90 GPU"):
         gluon_fp8.gluon_fp8_swiglu_grouped_gemm(_x(3, 256), _w(2, 128, 256, gate_up=True),
                                                 torch.zeros(3, dtype=torch.int32))
+
+
+# --- the grouped-GEMM dispatcher's "gluon-fp8" path ------------------------------------------------------------
+
+
+def _mlp_operands(dev, G=3, H=256, I=128, counts=(140, 0, 131), seed=5):
+    """An FP8 expert MLP's operands (x bf16 [S, H] with a padding row past the experts, w13 gate_up and w2 as
+    Fp8Tensors with their dequantized references), int32 offsets and routing weights."""
+    from moe_ep.testing.strategies import fp8_operand
+    gen = torch.Generator().manual_seed(seed)
+    S = sum(counts) + 1
+    x = torch.randn(S, H, generator=gen).bfloat16().to(dev)
+    (q13, r13), (q2, r2) = (fp8_operand((torch.randn(G, 2 * I, H, generator=gen) * 0.1).to(dev), 128, gate_up=True),
+                            fp8_operand((torch.randn(G, H, I, generator=gen) * 0.1).to(dev), 128))
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    rs = (torch.rand(S, generator=gen) + 0.5).to(dev)
+    return x, q13, r13, q2, r2, offsets, rs
+
+
+def _plans(x, q13, q2, offsets, **kw):
+    """(GEMM1's plan, GEMM2's plan) of an FP8 expert MLP's two calls, planned without launching."""
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.fp8 import quantize_fp8
+    x8 = quantize_fp8(x, 1)
+    h = Fp8Tensor(torch.zeros(x.shape[0], q13.shape[1] // 2, dtype=torch.float8_e4m3fn, device=x.device),
+                  torch.ones(x.shape[0], -(-q13.shape[1] // 256), device=x.device), 1)
+    return (plan_grouped_gemm(x8, q13, offsets=offsets, swiglu=True, quantize_out=True, **kw),
+            plan_grouped_gemm(h, q2, offsets=offsets, **kw))
+
+
+@pytest.fixture
+def gluon_dispatchable(monkeypatch):
+    """The dispatcher sees the Gluon FP8 kernels as verified here (a CPU test of its decisions); plans made before
+    and after are dropped."""
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    monkeypatch.setattr(gluon_fp8, "dispatchable", lambda: True)
+    gemm_plan.clear_cache()
+    yield
+    gemm_plan.clear_cache()
+
+
+def test_dispatcher_takes_the_gluon_path_for_ragged_fp8_prefill(gluon_dispatchable):
+    """Where ``gluon_fp8.dispatchable``: ragged FP8 calls from ``MOE_EP_GLUON_FP8_MIN_M`` tokens per expert on plan the
+    "gluon-fp8" path in both forms (GEMM1 SwiGLU + FP8 out, GEMM2 bf16 out), with the default variant and one program
+    per SM; everything else keeps the tl kernel: below the bucket, the option off, masked, GEMM1 with a bf16 output,
+    an fp32 output, a forced config, bf16 operands, more experts than the kernel takes."""
+    from moe_ep import device_facts, options
+    from moe_ep.kernels import plan_grouped_gemm
+    from moe_ep.kernels.fp8 import quantize_fp8
+    x, q13, _, q2, _, offsets, rs = _mlp_operands(torch.device("cpu"))
+    p1, p2 = _plans(x, q13, q2, offsets, m_hint=128)
+    assert (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8")
+    assert p1.config == {"VARIANT": gluon_fp8.DEFAULT_SWIGLU_VARIANT, "BLOCK_M": 128, "BLOCK_N": 128}
+    assert p2.config["VARIANT"] == gluon_fp8.DEFAULT_VARIANT and p2.config_source == "variant"
+    assert (p1.out_format, p2.out_format, p1.grid, p1.tma, p1.persistent) == \
+        ("fp8", "bf16", device_facts.sm_count(), True, True)
+    assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=64)} == {"tl"}  # below the default bucket
+    with options.override(gluon_fp8_min_m=64):
+        assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=64)} == {"gluon-fp8"}
+    with options.override(gluon_fp8_min_m="off"):
+        assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=4096)} == {"tl"}
+    x8 = quantize_fp8(x, 1)
+    assert plan_grouped_gemm(x8, q13, offsets=offsets, swiglu=True, m_hint=512).path == "tl"  # bf16 SwiGLU out
+    w2_form = _w(3, 64, 256)  # GEMM2's form over x8 (K 256)
+    assert plan_grouped_gemm(x8, w2_form, offsets=offsets, m_hint=512).path == "gluon-fp8"
+    fp32 = plan_grouped_gemm(x8, w2_form, offsets=offsets, out=torch.empty(x.shape[0], 64), m_hint=512)
+    assert (fp32.path, fp32.out_format) == ("tl", "fp32")
+    forced = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SWAP_AB=False, GROUP_M=8, TMA=False, num_warps=4,
+                  num_stages=2)
+    assert plan_grouped_gemm(x8, q13, offsets=offsets, swiglu=True, quantize_out=True, m_hint=512,
+                             config=forced).path == "tl"
+    masked = quantize_fp8(x[:270].reshape(3, 90, 256), 1)
+    assert plan_grouped_gemm(masked, q13, counts=torch.tensor([5, 0, 7]), swiglu=True, quantize_out=True,
+                             m_hint=512).path == "tl"
+    assert plan_grouped_gemm(x, x.new_zeros(3, 64, 256), offsets=offsets, m_hint=512).path == "tl"  # bf16
+    many = gluon_fp8.MAX_EXPERTS + 1
+    wide = Fp8Tensor(torch.zeros(many, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(many, 1, 2), 128)
+    assert plan_grouped_gemm(x8, wide, offsets=torch.zeros(many + 1, dtype=torch.int32), m_hint=512).path == "tl"
+
+
+def test_dispatcher_keeps_the_tl_path_where_gluon_is_not_verified():
+    """Without an sm_90 GPU, or under a Triton outside ``gluon_fp8.CHECKED_TRITONS``, nothing plans the Gluon path."""
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    x, q13, _, q2, _, offsets, _ = _mlp_operands(torch.device("cpu"))
+    gemm_plan.clear_cache()
+    want = "gluon-fp8" if gluon_fp8.dispatchable() else "tl"
+    assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=1024)} == {want}
+    if gluon_fp8.unavailable_reason() is not None:
+        assert not gluon_fp8.dispatchable()
+
+
+def test_dispatchable_needs_a_checked_triton(monkeypatch):
+    """``dispatchable`` is ``available`` under a Triton of ``CHECKED_TRITONS`` only (3.7 and 3.8 never ran here)."""
+    monkeypatch.setattr(gluon_fp8, "available", lambda: True)
+    for version, want in (("3.6.0", True), ("3.9.0", True), ("3.8.0", False), ("3.10.1", False)):
+        monkeypatch.setattr(gluon_fp8.triton, "__version__", version)
+        assert gluon_fp8.dispatchable() is want, version
+    monkeypatch.setattr(gluon_fp8, "available", lambda: False)
+    monkeypatch.setattr(gluon_fp8.triton, "__version__", "3.6.0")
+    assert not gluon_fp8.dispatchable()
+
+
+def _reference_launch(calls):
+    """A stand-in for ``gluon_fp8.launch`` that records its arguments and writes what the kernel computes, by the
+    reference (on the CPU there is no sm_90 GPU): GEMM2's bf16 rows, or GEMM1's SwiGLU values quantized."""
+    from moe_ep.reference import dequantize_fp8_ref, grouped_gemm_ref
+
+    def launch(xq, xs, wq, ws, offsets, out, out_scales, row_scale, variant, *, swiglu, num_programs):
+        calls.append(dict(offsets=offsets.clone(), variant=variant, swiglu=swiglu, num_programs=num_programs,
+                          row_scale=row_scale, out=out, out_scales=out_scales))
+        xr = dequantize_fp8_ref(xq, xs, 1)
+        wr = dequantize_fp8_ref(wq, ws, 128, swiglu)
+        y = grouped_gemm_ref(xr, wr, offsets=offsets, swiglu=swiglu, row_scale=row_scale)
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        if swiglu:
+            q, s = swiglu_fp8_ref(y[lo:hi])
+            out[lo:hi], out_scales[lo:hi] = q, s
+        else:
+            out[lo:hi] = y[lo:hi].to(out.dtype)
+    return launch
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, monkeypatch, index_dtype):
+    """The launcher's "gluon-fp8" branch, with a reference stand-in for the kernel: GEMM1 gets x's codes and scales,
+    w13 and the SwiGLU variant and writes FP8 codes + scales, GEMM2 gets exactly those, w2, the routing weights and
+    a bf16 output; int64 offsets reach the kernel as int32 clamped to [0, S] first (a value past 2^32 does not wrap
+    onto a small one); the result is the FP8 reference's, and the rows of no expert are left as they were."""
+    from moe_ep.reference import dequantize_fp8_ref, expert_mlp_fp8_ref, quantize_fp8_ref
+    from moe_ep.testing.properties import MLP_TOL, assert_rel_close
+    dev = torch.device("cpu")
+    calls = []
+    monkeypatch.setattr(gluon_fp8, "launch", _reference_launch(calls))
+    x, q13, r13, q2, r2, offsets, rs = _mlp_operands(dev)
+    S = x.shape[0]
+    offs = offsets.to(index_dtype)
+    if index_dtype is torch.int64:  # the last expert's end past 2^32: clamped to S (its truncation would be 1)
+        offs[-1] = 2**32 + 1
+    out = torch.full((S, x.shape[1]), float("nan"), dtype=torch.bfloat16)
+    got, (p1, p2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=256, return_plan=True)
+    assert got is out and (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8")
+    assert [(c["variant"], c["swiglu"], c["num_programs"]) for c in calls] == \
+        [(gluon_fp8.DEFAULT_SWIGLU_VARIANT, True, p1.grid), (gluon_fp8.DEFAULT_VARIANT, False, p2.grid)]
+    want_offsets = offsets.clone()
+    if index_dtype is torch.int64:
+        want_offsets[-1] = S
+    for c in calls:
+        assert c["offsets"].dtype is torch.int32 and torch.equal(c["offsets"], want_offsets)
+    assert calls[0]["out"].dtype is torch.float8_e4m3fn and calls[0]["row_scale"] is None
+    assert calls[1]["out"] is out and torch.equal(calls[1]["row_scale"], rs)
+    end = int(want_offsets[-1])
+    xr = dequantize_fp8_ref(*quantize_fp8_ref(x, 1), 1)
+    ref = expert_mlp_fp8_ref(xr, r13, r2, offsets=want_offsets, row_scale=rs)
+    assert_rel_close(out[:end], ref[:end], slice(None), MLP_TOL, "expert_mlp on the gluon-fp8 path")
+    assert torch.isnan(out[end:].float()).all(), "a row of no expert was written"
+
+
+def expert_mlp(*args, **kwargs):
+    from moe_ep.kernels import expert_mlp as run
+    return run(*args, **kwargs)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_expert_mlp_runs_the_gluon_path_on_hopper(index_dtype):
+    """On the H200: an FP8 expert MLP at a prefill bucket plans and runs the Gluon kernels (both GEMMs), matches the FP8
+    reference and the tl path's result on the same operands (``MOE_EP_GLUON_FP8_MIN_M=off``), leaves the rows of no
+    expert as they were, and replays bit for bit in a CUDA graph."""
+    from moe_ep import options
+    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    from moe_ep.reference import dequantize_fp8_ref, expert_mlp_fp8_ref, quantize_fp8_ref
+    from moe_ep.testing.properties import GLUON_FP8_TL_TOL, MLP_TOL, assert_rel_close
+    x, q13, r13, q2, r2, offsets, rs = _mlp_operands(CUDA, G=4, H=512, I=384, counts=(300, 0, 129, 77))
+    offs = offsets.to(index_dtype)
+    S, end = x.shape[0], int(offsets[-1])
+    gemm_plan.clear_cache()
+    out = torch.full((S, 512), float("nan"), dtype=torch.bfloat16, device=CUDA)
+    got, (p1, p2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=128, return_plan=True)
+    assert (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8"), (p1, p2)
+    xr = dequantize_fp8_ref(*quantize_fp8_ref(x, 1), 1)
+    ref = expert_mlp_fp8_ref(xr, r13, r2, offsets=offsets, row_scale=rs)
+    assert_rel_close(out[:end], ref[:end], slice(None), MLP_TOL, "gluon-fp8 expert_mlp against the reference")
+    assert torch.isnan(out[end:].float()).all(), "a row of no expert was written"
+    with options.override(gluon_fp8_min_m="off", autotune="off"):
+        tl, (t1, t2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, m_hint=128, return_plan=True)
+    assert (t1.path, t2.path) == ("tl", "tl")
+    assert_rel_close(out[:end], tl[:end], slice(None), GLUON_FP8_TL_TOL, "gluon-fp8 expert_mlp against the tl path")
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=128)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:end], eager[:end]) and torch.isnan(out[end:].float()).all()
+    gemm_plan.clear_cache()

@@ -329,14 +329,17 @@ def check_gluon_fp8_gemm(c: dict, dev, problem=None, against_tl: bool = True) ->
 
 
 def _tl_fp8_gemm(x8, w8, offsets, rs, swiglu: bool):
-    """The tl FP8 grouped GEMM of the same operands in its first config (no tuning run per drawn shape): GEMM2's
-    bf16 rows, or with ``swiglu`` GEMM1's FP8 output (an Fp8Tensor)."""
+    """The tl FP8 grouped GEMM of the same operands in its first config (no tuning run per drawn shape; the
+    dispatcher's Gluon path off): GEMM2's bf16 rows, or with ``swiglu`` GEMM1's FP8 output (an Fp8Tensor)."""
     from .. import options
     from ..kernels import grouped_gemm
     from ..kernels.grouped_gemm import plan as gemm_plan
     gemm_plan.clear_cache()
-    with options.override(autotune="off"):
-        return grouped_gemm(x8, w8, offsets=offsets, row_scale=rs, swiglu=swiglu, quantize_out=swiglu)
+    with options.override(autotune="off", gluon_fp8_min_m="off"):
+        out, plan = grouped_gemm(x8, w8, offsets=offsets, row_scale=rs, swiglu=swiglu, quantize_out=swiglu,
+                                 return_plan=True)
+    assert plan.path == "tl", f"the tl FP8 GEMM was asked for, {plan.path} ran"
+    return out
 
 
 GLUON_FP8_SWIGLU_TOL = GLUON_FP8_TL_TOL

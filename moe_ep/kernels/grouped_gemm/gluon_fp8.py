@@ -1,6 +1,7 @@
 """A Gluon warp-specialized FP8 x FP8 block-scaled ragged grouped GEMM for Hopper (sm_90a): the prefill shape class.
-GPU-only; the ``triton.language`` kernel (``kernels.py``) stays the reference path, and the dispatcher does not
-choose this one yet.
+GPU-only; the ``triton.language`` kernel (``kernels.py``) stays the reference path. The grouped-GEMM dispatcher
+(``plan.py``, path "gluon-fp8") takes these kernels for ragged FP8 calls from ``MOE_EP_GLUON_FP8_MIN_M`` tokens per
+expert on, where :func:`dispatchable`: GEMM2's form with a bf16 output, and GEMM1's with SwiGLU and an FP8 output.
 
 ``y[rows of g] = sum_kb (x_q[rows, kb] @ w_q[g, :, kb]^T) * xs[rows, kb] * ws[g, n // 128, kb]`` in fp32, bf16 out,
 optionally times a routing weight per row (GEMM2's form; the tl kernel's ``HAS_RS``). Operands are DeepSeek-V3's
@@ -46,6 +47,7 @@ keeps the first pass's 64 x 64 SwiGLU values; x's tile is loaded again for the s
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
@@ -368,6 +370,17 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+CHECKED_TRITONS = ("3.6", "3.9")
+"""Triton releases whose builds of these kernels passed the GPU property tests on an H200: the grouped-GEMM dispatcher
+takes this path under these only (:func:`dispatchable`); the entry points below run under any."""
+
+
+def dispatchable() -> bool:
+    """Whether the grouped-GEMM dispatcher may take this path here: :func:`available`, under a Triton of
+    :data:`CHECKED_TRITONS`."""
+    return available() and ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITONS
+
+
 def _check_weights(w: Fp8Tensor, shape: str) -> tuple[int, int, int]:
     """w's own checks, both forms: an Fp8Tensor ``[G, R, K]`` of 128x128 blocks, G and R positive, G at most
     :data:`MAX_EXPERTS`, K a positive multiple of 16; its shape."""
@@ -444,28 +457,36 @@ def check_gluon_fp8_swiglu(x: Fp8Tensor, w13: Fp8Tensor, offsets: torch.Tensor, 
     _check_devices(x, w13, offsets)
 
 
-def _launch(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, out: torch.Tensor, out_scales: torch.Tensor,
-            row_scale: torch.Tensor | None, config: tuple, n_out: int, swiglu: bool, num_programs: int | None) -> None:
-    """Launch the kernel on checked arguments (at least one row): descriptors over x ``[M, K]`` and w ``[G * R, K]``
-    (GEMM1's w box is half a slot: the gate box and the up box fill one), the persistent grid."""
-    consumers, overlap, block_n, stages = config
+def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offsets: torch.Tensor,
+           out: torch.Tensor, out_scales: torch.Tensor, row_scale: torch.Tensor | None, variant: str, *, swiglu: bool,
+           num_programs: int) -> None:
+    """Launch the kernel on checked parts (at least one row; the grouped-GEMM launcher's ``gluon-fp8`` path and the two
+    entry points below): x codes ``xq [M, K]`` e4m3 and scales ``xs``, w codes ``wq [G, R, K]`` and scales ``ws``,
+    int32 ``offsets [G + 1]``, ``out`` (bf16 ``[M, N]``, or with ``swiglu`` e4m3 ``[M, R / 2]`` and its scales
+    ``out_scales``), ``variant`` of :data:`VARIANTS` (with ``swiglu``, :data:`SWIGLU_VARIANTS`), the persistent grid
+    ``num_programs``. Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box
+    and the up box fill one)."""
+    consumers, overlap, block_n, stages = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
-    G, R, K = w.shape
-    xq = x.data.contiguous()
+    G, R, K = wq.shape
+    xq = xq.contiguous()
     if xq.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         xq = xq.clone()
-    wq = w.data.contiguous().view(G * R, K)
     lay = shared_layouts(block_m, block_n)
     x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
-    w_desc = TensorDescriptor.from_tensor(wq, [block_n // 2 if swiglu else block_n, BLOCK_K], lay["w"])
-    xs = x.scales.contiguous()
+    w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,
+                                                                          BLOCK_K], lay["w"])
+    xs = xs.contiguous()
     rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
-    if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    n_out = R // 2 if swiglu else R
     n_tiles = -(-n_out // block_n)
-    _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, w.scales.contiguous(), rs, out, out_scales, offsets,
-                                        x.shape[0], n_out, K, G, n_tiles, CONSUMERS=consumers, OVERLAP=overlap,
+    _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws.contiguous(), rs, out, out_scales, offsets,
+                                        xq.shape[0], n_out, K, G, n_tiles, CONSUMERS=consumers, OVERLAP=overlap,
                                         STAGES=stages, HAS_RS=row_scale is not None, SWIGLU=swiglu, num_warps=4)
+
+
+def _programs(x: Fp8Tensor, num_programs: int | None) -> int:
+    return num_programs or torch.cuda.get_device_properties(x.device).multi_processor_count
 
 
 def gluon_fp8_grouped_gemm(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, *,
@@ -495,7 +516,8 @@ def gluon_fp8_grouped_gemm(x: Fp8Tensor, w: Fp8Tensor, offsets: torch.Tensor, *,
               f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
               f"a contiguous torch.bfloat16 ({M}, {N}) on {x.device}")
     if M:
-        _launch(x, w, offsets, out, x.scales, row_scale, VARIANTS[variant], N, False, num_programs)
+        launch(x.data, x.scales, w.data, w.scales, offsets, out, x.scales, row_scale, variant, swiglu=False,
+               num_programs=_programs(x, num_programs))
     return out
 
 
@@ -525,7 +547,8 @@ def gluon_fp8_swiglu_grouped_gemm(x: Fp8Tensor, w13: Fp8Tensor, offsets: torch.T
         out = Fp8Tensor(torch.empty(M, I, dtype=torch.float8_e4m3fn, device=x.device),
                         torch.empty(fp8_scales_shape((M, I), 1), dtype=torch.float32, device=x.device), 1)
     if M:
-        _launch(x, w13, offsets, out.data, out.scales, None, SWIGLU_VARIANTS[variant], I, True, num_programs)
+        launch(x.data, x.scales, w13.data, w13.scales, offsets, out.data, out.scales, None, variant, swiglu=True,
+               num_programs=_programs(x, num_programs))
     return out
 
 
@@ -547,4 +570,4 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
 
 
 __all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
-           "available", "unavailable_reason", "VARIANTS", "SWIGLU_VARIANTS", "K_MULTIPLE"]
+           "available", "dispatchable", "launch", "unavailable_reason", "VARIANTS", "SWIGLU_VARIANTS", "K_MULTIPLE"]

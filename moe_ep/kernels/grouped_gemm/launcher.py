@@ -185,7 +185,8 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
 def _plan(call: _Call, link: Link | None, config: dict | None, env: tuple | None = None) -> GemmPlan:
     chain = "none" if link is None else ("counts" if link.wait is None else "waits")
     return plans.decide(ragged=call.ragged, x_fp4=call.x_fp4, w_fp4=call.w_fp4, fp8=call.fp8,
-                        fp8_out=call.quantize_out, swiglu=call.swiglu,
+                        fp8_out=call.quantize_out, out_fp32=getattr(call.out, "dtype", None) is torch.float32,
+                        swiglu=call.swiglu,
                         row_scale=call.row_scale is not None, G=call.G, N=call.N, K=call.K, M_max=call.M_max,
                         S=call.S, m=call.m, chain=chain, pdl=link is not None and link.pdl, config=config, env=env)
 
@@ -193,6 +194,9 @@ def _plan(call: _Call, link: Link | None, config: dict | None, env: tuple | None
 def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     """Launch plan ``p`` for call ``c``; the plan as launched (an autotuned one with the autotuner's pick)."""
     if p.config_source == "no-launch":
+        return p
+    if p.path == "gluon-fp8":
+        _launch_gluon_fp8(c, p)
         return p
     if p.path == "sm100-fp4":
         sm100_fp4.launch(c.xd, c.xs, c.xgs, c.wd, c.ws, c.wgs, c.idx, c.out, c.row_scale, ragged=c.ragged,
@@ -241,6 +245,19 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
              TensorDescriptor.from_tensor(wd.view(-1, K), [16, 32])) if p.tma_possible else (None, None)
     best = launch_cache.launch(kernels.autotuned_kernel, programs, *args, *descs, *tail, **_flags(p))
     return plans.autotuned(p, config_space.config_dict(best) if best is not None else None)
+
+
+def _launch_gluon_fp8(c: _Call, p: GemmPlan) -> None:
+    """Plan ``p``'s launch on the Gluon FP8 kernels (``gluon_fp8.py``), which take int32 offsets: int64 ones (HT
+    expert-major's) are clamped to [0, S] first, as the kernel would clamp them, so no value wraps in the cast."""
+    from . import gluon_fp8
+    offsets = c.idx if c.idx.dtype is torch.int32 else c.idx.clamp(0, c.S).to(torch.int32)
+    if c.quantize_out:  # GEMM1: SwiGLU, codes and scales out
+        out, out_scales = c.out.data, c.out.scales
+    else:
+        out, out_scales = c.out, c.xs  # (unread without SwiGLU)
+    gluon_fp8.launch(c.xd, c.xs, c.wd, c.ws, offsets, out, out_scales, c.row_scale, p.config["VARIANT"],
+                     swiglu=c.swiglu, num_programs=p.grid)
 
 
 def _flags(p: GemmPlan) -> dict:

@@ -16,9 +16,9 @@ from ... import device_facts, options
 from . import config_space, schedule, sm100_fp4, tuned_files
 from .config_space import DECODE_MAX_M, m_bucket
 
-CONFIG_SOURCES = ("tuned-file", "first-config", "autotune", "forced", "no-launch")
+CONFIG_SOURCES = ("tuned-file", "first-config", "autotune", "forced", "no-launch", "variant")
 CHAIN_ROLES = ("none", "counts", "waits")
-PATHS = ("tl", "sm100-fp4")
+PATHS = ("tl", "sm100-fp4", "gluon-fp8")
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,8 @@ class GemmPlan:
       S: rows of x, ``G * M_max`` when masked); ``m_bucket``: the tokens-per-expert bucket configs are keyed on.
     - ``x_format``, ``w_format``: "bf16", "nvfp4" or "fp8" (FP8 goes with FP8 only); ``x_decoded``, ``w_decoded``:
       whether that NVFP4 operand is decoded to a transient bf16 copy before the GEMM (``decoded`` is the pair);
-      ``out_format``: "fp8" where the epilogue quantizes (GEMM1 of an FP8 expert MLP), else "bf16" (the output
-      tensor's dtype, bf16 or, for tests, fp32).
+      ``out_format``: "fp8" where the epilogue quantizes (GEMM1 of an FP8 expert MLP), else the output tensor's
+      dtype, "bf16" or (for tests of the fp32 epilogue) "fp32".
     - ``swiglu``, ``row_scale``: the epilogues.
     - ``config``: the tile config launched (``BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, GROUP_M, TMA, num_warps,
       num_stages``), None before an autotuned launch and when nothing is launched; ``config_source``: "tuned-file"
@@ -41,10 +41,15 @@ class GemmPlan:
       (TMA configs, or a masked layout with a large row capacity); ``grid``: the programs launched.
     - ``chain``: "none", "counts" (GEMM1 of a chained expert MLP: counts its finished tiles per expert) or "waits"
       (GEMM2: waits per expert); ``pdl``: launched as / allowing a programmatic dependent launch.
-    - ``path``: the kernel that runs (:data:`PATHS`): "tl" (``kernels.py``) or "sm100-fp4" (``sm100_fp4.py``: NVFP4 x
+    - ``path``: the kernel that runs (:data:`PATHS`): "tl" (``kernels.py``), "sm100-fp4" (``sm100_fp4.py``: NVFP4 x
       and w on the block-scaled FP4 tensor cores of a compute capability 10.x GPU, where ``sm100_fp4.available``; no
       decoded copies, its own config space and tuned-file keys: ``config_source`` "forced", "tuned-file" or
-      "first-config", and a forced ``config`` must be one of ``sm100_fp4.configs_for``, MoEEpConfigError otherwise).
+      "first-config", and a forced ``config`` must be one of ``sm100_fp4.configs_for``, MoEEpConfigError otherwise)
+      or "gluon-fp8" (``gluon_fp8.py``: a ragged FP8 call from ``MOE_EP_GLUON_FP8_MIN_M`` tokens per expert on, on an
+      sm_90 GPU where ``gluon_fp8.dispatchable``, without a forced config; GEMM2's form with a bf16 output, or GEMM1's
+      with SwiGLU and an FP8 output; at most ``gluon_fp8.MAX_EXPERTS`` experts. ``config`` is ``{"VARIANT": name,
+      "BLOCK_M": .., "BLOCK_N": ..}`` of the kernel's default variant, ``config_source`` "variant", ``grid`` the
+      persistent programs, one per SM; ``tma`` and ``persistent`` True).
     """
     layout: str
     sizes: tuple
@@ -84,18 +89,18 @@ def environment() -> tuple:
 
 def decide(*, ragged: bool, x_fp4: bool, w_fp4: bool, swiglu: bool, row_scale: bool, G: int, N: int, K: int,
            M_max: int, S: int, m: int, chain: str = "none", pdl: bool = False, config: dict | None = None,
-           fp8: bool = False, fp8_out: bool = False, env: tuple | None = None) -> GemmPlan:
+           fp8: bool = False, fp8_out: bool = False, out_fp32: bool = False, env: tuple | None = None) -> GemmPlan:
     """The plan of a call with these sizes and formats (``m``: tokens per expert the config is chosen for).
     ``config``: a forced tile config (checked against the tuned-file schema, the FP8 rules where ``fp8`` / ``fp8_out``
     and this GPU's shared memory; on the sm_100 W4A4 path, NVFP4 x and w where ``sm100_fp4.available()``, it must be
     an sm100_fp4 config instead: ``tuned_files.validate_sm100``, MoEEpConfigError otherwise). ``fp8``: x and w are
-    FP8; ``fp8_out``: the epilogue quantizes to FP8.
+    FP8; ``fp8_out``: the epilogue quantizes to FP8; ``out_fp32``: the output tensor is float32.
 
     Plans without a forced config are cached, keyed by every input: these arguments, the options, the tuned
     files' versions and the device (a plan is a pure function of them; the cache is bounded). ``env``:
     :func:`environment`, when the caller has it already."""
     fmt = ("fp8" if fp8 else "nvfp4" if x_fp4 else "bf16", "fp8" if fp8 else "nvfp4" if w_fp4 else "bf16",
-           "fp8" if fp8_out else "bf16")
+           "fp8" if fp8_out else "fp32" if out_fp32 else "bf16")
     if config is not None:
         return _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, config, options.current())
     opts, versions, device = env if env is not None else environment()
@@ -132,6 +137,11 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
     if S == 0:
         return GemmPlan(**dict(base, chain="none", pdl=False), config=None, config_source="no-launch",
                         config_file=None, tma=False, persistent=False, grid=0)
+    if config is None and fp8 and ragged and out_format != "fp32" and swiglu == fp8_out and \
+            bucket >= (opts.gluon_fp8_min_m or float("inf")):
+        gluon = _gluon_fp8_plan(base, G)
+        if gluon is not None:
+            return gluon
     if x_fp4 and w_fp4 and sm100_fp4.available():  # W4A4 on Blackwell: native FP4 MMAs
         cfg, source, path = _sm100_config(N, K, m, swiglu, config)
         grid = schedule.tile_slots(ragged, G, M_max, S, N, cfg["BLOCK_M"], cfg["BLOCK_N"])
@@ -153,6 +163,20 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
         cfg["TMA"] = False  # through pointer loads
     return _with_config(GemmPlan(**base, config=None, config_source=source, config_file=path, tma=None,
                                  persistent=None, grid=None), cfg)
+
+
+def _gluon_fp8_plan(base: dict, G: int) -> GemmPlan | None:
+    """The plan of a ragged FP8 prefill call on the Gluon kernels (``gluon_fp8.py``: the default variant of the call's
+    form), or None where they may not run (not ``gluon_fp8.dispatchable()``, or more experts than they take)."""
+    from . import gluon_fp8  # (here: Gluon is imported only where a call may take it)
+    if G > gluon_fp8.MAX_EXPERTS or not gluon_fp8.dispatchable():
+        return None
+    swiglu = base["swiglu"]
+    variant = gluon_fp8.DEFAULT_SWIGLU_VARIANT if swiglu else gluon_fp8.DEFAULT_VARIANT
+    consumers, _, block_n, _ = (gluon_fp8.SWIGLU_VARIANTS if swiglu else gluon_fp8.VARIANTS)[variant]
+    cfg = {"VARIANT": variant, "BLOCK_M": gluon_fp8.WG_ROWS * consumers, "BLOCK_N": block_n}
+    return GemmPlan(**dict(base, tma_possible=True), config=cfg, config_source="variant", config_file=None, tma=True,
+                    persistent=True, grid=device_facts.sm_count(), path="gluon-fp8")
 
 
 def _sm100_config(n: int, k: int, m: int, swiglu: bool, config: dict | None) -> tuple:
