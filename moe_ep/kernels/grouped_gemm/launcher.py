@@ -47,6 +47,7 @@ class _Call:
     swiglu: bool
     row_scale: torch.Tensor | None
     out: torch.Tensor | Fp8Tensor  # an Fp8Tensor when the epilogue quantizes (quantize_out)
+    out_fp32: bool  # out is float32 (tests of the fp32 epilogue)
     G: int
     N: int
     K: int
@@ -185,8 +186,7 @@ def expert_mlp(x, w13, w2, *, counts: torch.Tensor | None = None, offsets: torch
 def _plan(call: _Call, link: Link | None, config: dict | None, env: tuple | None = None) -> GemmPlan:
     chain = "none" if link is None else ("counts" if link.wait is None else "waits")
     return plans.decide(ragged=call.ragged, x_fp4=call.x_fp4, w_fp4=call.w_fp4, fp8=call.fp8,
-                        fp8_out=call.quantize_out, out_fp32=getattr(call.out, "dtype", None) is torch.float32,
-                        swiglu=call.swiglu,
+                        fp8_out=call.quantize_out, out_fp32=call.out_fp32, swiglu=call.swiglu,
                         row_scale=call.row_scale is not None, G=call.G, N=call.N, K=call.K, M_max=call.M_max,
                         S=call.S, m=call.m, chain=chain, pdl=link is not None and link.pdl, config=config, env=env)
 
@@ -391,6 +391,7 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
         if row_scale.device != dev:
             fail("row_scale.device", str(row_scale.device), str(dev))
         row_scale = row_scale.contiguous()
+    out_fp32 = False
     if quantize_out and out is not _NO_OUT:
         if out is not None:
             fail("out", type(out).__name__, "None with quantize_out (a new Fp8Tensor is returned)")
@@ -406,8 +407,9 @@ def _check(x, w, counts, offsets, swiglu, row_scale, out, m_hint, quantize_out=F
             fail("out.shape", tuple(out.shape), str((*rows_shape, N)))
         if out.device != dev or not out.is_contiguous():
             fail("out", f"{out.device}, contiguous={out.is_contiguous()}", f"a contiguous tensor on {dev}")
+        out_fp32 = out.dtype is torch.float32
     return _Call(xd, xs, xgs, xshape, x_fp4, wd, ws, wgs, wshape, w_fp4, fp8, quantize_out, idx, ragged, swiglu,
-                 row_scale, out, G, N, K, M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
+                 row_scale, out, out_fp32, G, N, K, M_max, S, _tokens_per_expert(xshape, ragged, G, m_hint))
 
 
 def _check_m_hint(m_hint) -> None:
