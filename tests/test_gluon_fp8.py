@@ -257,17 +257,24 @@ def test_dispatcher_takes_the_gluon_path_for_ragged_fp8_prefill(gluon_dispatchab
     "gluon-fp8" path in both forms (GEMM1 SwiGLU + FP8 out, GEMM2 bf16 out), with the default variant and one program
     per SM; everything else keeps the tl kernel: below the bucket, the option off, masked, GEMM1 with a bf16 output,
     an fp32 output, a forced config, bf16 operands, more experts than the kernel takes."""
+    from moe_ep import options
+    x, q13, _, q2, _, offsets, _ = _mlp_operands(torch.device("cpu"))
+    with options.override(gluon_fp8_min_m=128):  # (whatever the default)
+        _dispatcher_decisions(x, q13, q2, offsets)
+
+
+def _dispatcher_decisions(x, q13, q2, offsets):
+    """The decisions of the test above, from 128 tokens per expert on."""
     from moe_ep import device_facts, options
     from moe_ep.kernels import plan_grouped_gemm
     from moe_ep.kernels.fp8 import quantize_fp8
-    x, q13, _, q2, _, offsets, rs = _mlp_operands(torch.device("cpu"))
     p1, p2 = _plans(x, q13, q2, offsets, m_hint=128)
     assert (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8")
     assert p1.config == {"VARIANT": gluon_fp8.DEFAULT_SWIGLU_VARIANT, "BLOCK_M": 128, "BLOCK_N": 128}
     assert p2.config["VARIANT"] == gluon_fp8.DEFAULT_VARIANT and p2.config_source == "variant"
     assert (p1.out_format, p2.out_format, p1.grid, p1.tma, p1.persistent) == \
         ("fp8", "bf16", device_facts.sm_count(), True, True)
-    assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=64)} == {"tl"}  # below the default bucket
+    assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=64)} == {"tl"}  # below the bucket
     with options.override(gluon_fp8_min_m=64):
         assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=64)} == {"gluon-fp8"}
     with options.override(gluon_fp8_min_m="off"):
@@ -294,20 +301,25 @@ def test_dispatcher_takes_the_gluon_path_for_ragged_fp8_prefill(gluon_dispatchab
 def test_dispatcher_keeps_the_tl_path_where_gluon_is_not_verified():
     """Without an sm_90 GPU, or under a Triton outside ``gluon_fp8.CHECKED_TRITONS``, nothing plans the Gluon path."""
     from moe_ep.kernels.grouped_gemm import plan as gemm_plan
+    from moe_ep import options
     x, q13, _, q2, _, offsets, _ = _mlp_operands(torch.device("cpu"))
     gemm_plan.clear_cache()
     want = "gluon-fp8" if gluon_fp8.dispatchable() else "tl"
-    assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=1024)} == {want}
+    with options.override(gluon_fp8_min_m=8):
+        assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=1024)} == {want}
+    gemm_plan.clear_cache()
     if gluon_fp8.unavailable_reason() is not None:
         assert not gluon_fp8.dispatchable()
 
 
 def test_dispatchable_needs_a_checked_triton(monkeypatch):
-    """``dispatchable`` is ``available`` under a Triton of ``CHECKED_TRITONS`` only (3.7 and 3.8 never ran here)."""
+    """``dispatchable`` is ``available`` under a Triton of ``CHECKED_TRITONS`` only."""
     monkeypatch.setattr(gluon_fp8, "available", lambda: True)
-    for version, want in (("3.6.0", True), ("3.9.0", True), ("3.8.0", False), ("3.10.1", False)):
+    for version, want in (("3.6.0", True), ("3.6.1", True), ("3.8.0", False), ("3.10.1", False)):
         monkeypatch.setattr(gluon_fp8.triton, "__version__", version)
         assert gluon_fp8.dispatchable() is want, version
+    monkeypatch.setattr(gluon_fp8.triton, "__version__", "3.9.0")
+    assert gluon_fp8.dispatchable() is ("3.9" in gluon_fp8.CHECKED_TRITONS)
     monkeypatch.setattr(gluon_fp8, "available", lambda: False)
     monkeypatch.setattr(gluon_fp8.triton, "__version__", "3.6.0")
     assert not gluon_fp8.dispatchable()
@@ -339,6 +351,7 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, m
     w13 and the SwiGLU variant and writes FP8 codes + scales, GEMM2 gets exactly those, w2, the routing weights and
     a bf16 output; int64 offsets reach the kernel as int32 clamped to [0, S] first (a value past 2^32 does not wrap
     onto a small one); the result is the FP8 reference's, and the rows of no expert are left as they were."""
+    from moe_ep import options
     from moe_ep.reference import dequantize_fp8_ref, expert_mlp_fp8_ref, quantize_fp8_ref
     from moe_ep.testing.properties import MLP_TOL, assert_rel_close
     dev = torch.device("cpu")
@@ -350,7 +363,8 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, m
     if index_dtype is torch.int64:  # the last expert's end past 2^32: clamped to S (its truncation would be 1)
         offs[-1] = 2**32 + 1
     out = torch.full((S, x.shape[1]), float("nan"), dtype=torch.bfloat16)
-    got, (p1, p2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=256, return_plan=True)
+    with options.override(gluon_fp8_min_m=128):
+        got, (p1, p2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=256, return_plan=True)
     assert got is out and (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8")
     assert [(c["variant"], c["swiglu"], c["num_programs"]) for c in calls] == \
         [(gluon_fp8.DEFAULT_SWIGLU_VARIANT, True, p1.grid), (gluon_fp8.DEFAULT_VARIANT, False, p2.grid)]
@@ -389,7 +403,8 @@ def test_expert_mlp_runs_the_gluon_path_on_hopper(index_dtype):
     S, end = x.shape[0], int(offsets[-1])
     gemm_plan.clear_cache()
     out = torch.full((S, 512), float("nan"), dtype=torch.bfloat16, device=CUDA)
-    got, (p1, p2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=128, return_plan=True)
+    with options.override(gluon_fp8_min_m=128):  # (whatever the default)
+        got, (p1, p2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=128, return_plan=True)
     assert (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8"), (p1, p2)
     xr = dequantize_fp8_ref(*quantize_fp8_ref(x, 1), 1)
     ref = expert_mlp_fp8_ref(xr, r13, r2, offsets=offsets, row_scale=rs)
@@ -401,7 +416,7 @@ def test_expert_mlp_runs_the_gluon_path_on_hopper(index_dtype):
     assert_rel_close(out[:end], tl[:end], slice(None), GLUON_FP8_TL_TOL, "gluon-fp8 expert_mlp against the tl path")
     eager = out.clone()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with options.override(gluon_fp8_min_m=128), torch.cuda.graph(graph):
         expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=128)
     out.fill_(float("nan"))
     graph.replay()
