@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU test suites and the checks that need a GPU, in one command for a lent H100 / H200 (one device call each):
+#   bash tests/run_on_gpu.sh TRITON STEP...     from the repository root; TRITON: 36 (the image's Triton 3.6) or 39
+#                                               (Triton 3.9 from the kit in .triton-kit: carry it; build it here first
+#                                               with bash shared/tools/triton-kit/make_kit.sh .triton-kit)
+# STEP: suite (every test but the CPU compile checks; with 39 less the one_triton tests, as CI's second run),
+#       tests:"PYTEST ARGS" (some test files), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
+#       dispatcher's Gluon FP8 path on from 128 tokens per expert, the tl kernel beside it), layer (bench_layer.py).
+# Logs and JSON go to $OUT (./out when unset; git-ignored); a step stops at its share of DEADLINE seconds from the
+# start (default 585: under a call's 600 s limit), the suite at SUITE_S (default 480). The last lines printed are
+# each step's summary.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+out=${OUT:-./out}; mkdir -p "$out"
+tri=${1:?usage: bash tests/run_on_gpu.sh 36|39 STEP...}; shift
+if [ "$tri" = 39 ]; then source .triton-kit/setup_on_device.sh .triton-kit || exit 9; fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+t0=$(date +%s)
+left() { local l=$(( ${DEADLINE:-585} - ($(date +%s) - t0) )); [ $l -gt 1 ] && echo $l || echo 1; }
+summary() { echo "$1 rc=$2"; grep -E "^(FAILED|ERROR)" "$3" | head -30; tail -3 "$3"; }
+for step in "$@"; do
+  s=$(date +%s)
+  case $step in
+    suite)
+      only=(); [ "$tri" = 39 ] && only=(-m 'not one_triton')
+      timeout "${SUITE_S:-480}" python3 -m pytest -q -n 16 -p no:cacheprovider --durations=25 tests \
+        --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
+      summary suite $? "$out/suite$tri.log" ;;
+    tests:*)
+      timeout "$(left)" python3 -m pytest -q -n 16 -p no:cacheprovider ${step#tests:} > "$out/tests$tri.log" 2>&1
+      summary tests $? "$out/tests$tri.log" ;;
+    fp8_bench)
+      MOE_EP_GLUON_FP8_MIN_M=128 timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights fp8 --quick \
+        --out "$out/fp8.json" > "$out/fp8_bench.log" 2>&1
+      summary fp8_bench $? "$out/fp8_bench.log"; tail -12 "$out/fp8_bench.log" ;;
+    layer)
+      timeout "$(left)" python3 benchmarks/bench_layer.py --out "$out/layer.json" > "$out/layer.log" 2>&1
+      summary layer $? "$out/layer.log"; tail -20 "$out/layer.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  echo "[$step: $(( $(date +%s) - s )) s]"
+done
+echo "[total $(( $(date +%s) - t0 )) s]"
