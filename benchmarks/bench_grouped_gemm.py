@@ -216,7 +216,8 @@ def _print_fp8(rows):
               f"{r['rel_err_fp8']:8.1e}  {','.join(r['configs_fp8'])}")
     print("FP8 weights (W8A8, 128x128 weight blocks, per-token 128-channel activation scales): fp8: from bf16 x "
           "(quantized per token inside the MLP); fp8 x: x already FP8 (as an FP8 dispatch delivers it), uniform / "
-          "routed / masked; x tl: fp8 x on the tl kernel where the plan took a fast path (the Gluon FP8 GEMMs); floors: FP8 weight + scale bytes / 4.8 TB/s, FLOPs / 1979 TFLOP/s (dense FP8 peak); "
+          "routed / masked; x tl: fp8 x on the tl kernel where the plan took a fast path (the Gluon FP8 GEMMs); "
+          "floors: FP8 weight + scale bytes / 4.8 TB/s, FLOPs / 1979 TFLOP/s (dense FP8 peak); "
           "err: against torch on the dequantized operands with a bf16 intermediate")
 
 
