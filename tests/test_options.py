@@ -18,7 +18,8 @@ GOOD = [
     ("MOE_EP_DECODED_MIN_M", "Off", "decoded_min_m", None), ("MOE_EP_DECODED_MIN_M", "", "decoded_min_m", 512),
     ("MOE_EP_GEMM_CHAIN", "off", "gemm_chain", False), ("MOE_EP_GEMM_CHAIN", "no", "gemm_chain", False),
     ("MOE_EP_GEMM_CHAIN", "TRUE", "gemm_chain", True),
-    ("MOE_EP_GLUON_FP8_MIN_M", "256", "gluon_fp8_min_m", 256), ("MOE_EP_GLUON_FP8_MIN_M", "OFF", "gluon_fp8_min_m", None),
+    ("MOE_EP_GLUON_FP8_MIN_M", "256", "gluon_fp8_min_m", 256),
+    ("MOE_EP_GLUON_FP8_MIN_M", "OFF", "gluon_fp8_min_m", None),
     ("MOE_EP_GLUON_FP8_MIN_M", "", "gluon_fp8_min_m", options.DEFAULT_GLUON_FP8_MIN_M),
     ("MOE_EP_CONFIG_DIR", " /tmp/x ", "config_dir", "/tmp/x"), ("MOE_EP_CONFIG_DIR", "", "config_dir", None),
 ]
