@@ -39,6 +39,51 @@ def test_info_process_exit_code_and_json(tmp_path):
     for t in info["transports"]:  # the install hint prints as written (rich would eat "[nccl]" as markup)
         if not t["available"] and t["install"].startswith("pip"):
             assert t["install"] in p.stdout, (t["install"], p.stdout)
+    assert [f["name"] for f in info["fast_paths"]] == ["gluon-fp8", "sm100-fp4"] and "fast paths" in p.stdout
+    if INTERPRETER:
+        assert not any(f["taken"] for f in info["fast_paths"]) and all(f["reason"] for f in info["fast_paths"])
+
+
+def test_info_says_when_the_gluon_fp8_path_is_taken(monkeypatch):
+    """``moe-ep info``'s fast-path rows follow the dispatcher: not taken where the kernels cannot run (the reason
+    named), not taken while MOE_EP_GLUON_FP8_MIN_M is off (saying what to set), taken from its bucket on."""
+    from moe_ep.commands.info import fast_paths
+    from moe_ep.kernels.grouped_gemm import gluon_fp8
+    monkeypatch.setattr(gluon_fp8, "not_dispatchable_reason", lambda: "needs an sm_90 GPU")
+    monkeypatch.setattr(gluon_fp8, "dispatchable", lambda: False)
+    with options.override(gluon_fp8_min_m=128):
+        row = fast_paths()[0]
+    assert (row["name"], row["taken"], row["reason"]) == ("gluon-fp8", False, "needs an sm_90 GPU")
+    monkeypatch.setattr(gluon_fp8, "not_dispatchable_reason", lambda: None)
+    monkeypatch.setattr(gluon_fp8, "dispatchable", lambda: True)
+    with options.override(gluon_fp8_min_m="off"):
+        row = fast_paths()[0]
+    assert not row["taken"] and "MOE_EP_GLUON_FP8_MIN_M" in row["reason"] and "128" in row["reason"]
+    with options.override(gluon_fp8_min_m=256):
+        row = fast_paths()[0]
+    assert row["taken"] and "from 256 tokens per expert" in row["reason"]
+
+
+def test_fast_paths_name_why_they_do_not_run(monkeypatch):
+    """The reasons ``available`` / ``dispatchable`` say no: no GPU of the capability (the one there named), or a
+    Triton outside the checked ones."""
+    import types
+
+    from moe_ep import device_facts
+    from moe_ep.kernels.grouped_gemm import gluon_fp8, sm100_fp4
+    monkeypatch.setattr(sm100_fp4, "INTERPRETER", False)
+    monkeypatch.setattr(device_facts, "properties", lambda: types.SimpleNamespace(major=9, minor=0))
+    assert "this one is 9.0" in sm100_fp4.unavailable_reason() and not sm100_fp4.available()
+    monkeypatch.setattr(device_facts, "properties", lambda: types.SimpleNamespace(major=10, minor=0))
+    monkeypatch.setattr(sm100_fp4.triton, "__version__", "3.8.0")
+    assert "Triton 3.8.0" in sm100_fp4.unavailable_reason() and not sm100_fp4.available()
+    monkeypatch.setattr(sm100_fp4.triton, "__version__", "3.9.0")
+    assert sm100_fp4.unavailable_reason() is None and sm100_fp4.available()
+    monkeypatch.setattr(gluon_fp8, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gluon_fp8.triton, "__version__", "3.8.0")
+    assert "Triton 3.8.0" in gluon_fp8.not_dispatchable_reason()
+    monkeypatch.setattr(gluon_fp8.triton, "__version__", "3.6.0")
+    assert gluon_fp8.not_dispatchable_reason() is None
 
 
 def test_bench_small_preset_writes_json_and_png(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""``moe-ep info``: the device, library versions, which transports can run here (and why not), and the
-tuned-config files the grouped GEMM would load."""
+"""``moe-ep info``: the device, library versions, which transports can run here (and why not), which of the grouped
+GEMM's GPU-only fast paths are taken here (and why not), and the tuned-config files the grouped GEMM would load."""
 
 from __future__ import annotations
 
@@ -50,8 +50,24 @@ def tuned_configs() -> dict:
     return dict(device_name=dev_name, dirs=dirs, files=files)
 
 
+def fast_paths() -> list[dict]:
+    """The GPU-only grouped-GEMM paths the dispatcher may take instead of the tl kernel (``GemmPlan.path``): name,
+    the calls it takes, whether it is taken here, and why not (or from when)."""
+    from .. import options
+    from ..kernels.grouped_gemm import gluon_fp8, sm100_fp4
+    min_m = options.current().gluon_fp8_min_m
+    why = gluon_fp8.not_dispatchable_reason()
+    if why is None:
+        why = (f"from {min_m} tokens per expert (MOE_EP_GLUON_FP8_MIN_M)" if min_m is not None else
+               "MOE_EP_GLUON_FP8_MIN_M is off (its default): set it to 128 to take this path")
+    return [dict(name="gluon-fp8", calls="ragged FP8 GEMMs at prefill sizes (Hopper, sm_90)",
+                 taken=gluon_fp8.dispatchable() and min_m is not None, reason=why),
+            dict(name="sm100-fp4", calls="W4A4: NVFP4 x and weights (Blackwell, capability 10.x)",
+                 taken=sm100_fp4.available(), reason=sm100_fp4.unavailable_reason() or "every W4A4 call")]
+
+
 def collect() -> dict:
-    return dict(versions=versions(), transports=transports(), tuned_configs=tuned_configs())
+    return dict(versions=versions(), transports=transports(), fast_paths=fast_paths(), tuned_configs=tuned_configs())
 
 
 def run(args) -> int:
@@ -61,6 +77,8 @@ def run(args) -> int:
     print_table("transports", ["name", "available", "why / what", "install"],
                 [[t.get("name"), "yes" if t.get("available") else "no", t.get("reason", ""), t.get("install", "")]
                  for t in info["transports"]])
+    print_table("grouped GEMM fast paths (otherwise the tl kernel runs)", ["path", "calls", "taken here", "why / when"],
+                [[f["name"], f["calls"], "yes" if f["taken"] else "no", f["reason"]] for f in info["fast_paths"]])
     tc = info["tuned_configs"]
     rows = [[f["path"], "yes" if f["this_device"] else "", f.get("shape_classes", "-"), f.get("buckets", "-"),
              f.get("error", "")] for f in tc["files"]]

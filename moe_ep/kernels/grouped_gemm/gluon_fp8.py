@@ -379,7 +379,19 @@ and ran GEMM2's form there, not yet GEMM1's): the grouped-GEMM dispatcher takes 
 def dispatchable() -> bool:
     """Whether the grouped-GEMM dispatcher may take this path here: :func:`available`, under a Triton of
     :data:`CHECKED_TRITONS`."""
-    return available() and ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITONS
+    return available() and _checked_triton()
+
+
+def not_dispatchable_reason() -> str | None:
+    """Why :func:`dispatchable` says False here (``moe-ep info`` shows it), or None."""
+    reason = unavailable_reason()
+    if reason is None and not _checked_triton():
+        reason = f"Triton {triton.__version__}: both kernels were verified under {' / '.join(CHECKED_TRITONS)} only"
+    return reason
+
+
+def _checked_triton() -> bool:
+    return ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITONS
 
 
 def _check_weights(w: Fp8Tensor, shape: str) -> tuple[int, int, int]:
@@ -571,4 +583,4 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
 
 
 __all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
-           "available", "dispatchable", "launch", "unavailable_reason", "VARIANTS", "SWIGLU_VARIANTS", "K_MULTIPLE"]
+           "available", "dispatchable", "not_dispatchable_reason", "launch", "unavailable_reason", "VARIANTS", "SWIGLU_VARIANTS", "K_MULTIPLE"]

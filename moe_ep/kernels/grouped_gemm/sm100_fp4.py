@@ -56,9 +56,19 @@ config's PTX): the dispatcher takes this path only under one of them."""
 def available() -> bool:
     """Whether the grouped GEMM dispatcher takes this path for W4A4 calls here: a compiled (not interpreted) kernel on
     a GPU of compute capability 10.x (B200 / GB200) under one of :data:`CHECKED_TRITONS`."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` says False here (``moe-ep info`` shows it), or None."""
     props = device_facts.properties()
-    return (not INTERPRETER and props is not None and props.major == 10
-            and ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITONS)
+    if INTERPRETER or props is None:
+        return "needs a compute capability 10.x GPU (B200 / GB200); none here"
+    if props.major != 10:
+        return f"needs a compute capability 10.x GPU (B200 / GB200); this one is {props.major}.{props.minor}"
+    if ".".join(triton.__version__.split(".")[:2]) not in CHECKED_TRITONS:
+        return f"Triton {triton.__version__}: its builds were checked under {' / '.join(CHECKED_TRITONS)} only"
+    return None
 
 
 def _config(block_m: int, block_n: int, block_k: int, swap: bool, warps: int, stages: int) -> triton.Config:
