@@ -43,6 +43,11 @@ COMPILED = tl.constexpr(not INTERPRETER)
 single-rounding fma); the interpreter takes plain ops that give the same values."""
 
 
+def triton_minor() -> str:
+    """The Triton release in use as "major.minor" (e.g. "3.6"): what a fast path's list of checked Tritons holds."""
+    return ".".join(triton.__version__.split(".")[:2])
+
+
 def device() -> torch.device:
     """The device moe-ep kernels run on: the current CUDA device, else the CPU (interpreter)."""
     return torch.device("cuda", torch.cuda.current_device()) if _CUDA else torch.device("cpu")

@@ -56,6 +56,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import device_facts
 from ...errors import MoEEpConfigError, check
+from ...triton_runtime import triton_minor
 from ..fp8 import FP8_BLOCK, Fp8Tensor, fp8_scales_shape
 from .gluon_fp8_swiglu import store_fp8_block, swiglu_pass
 
@@ -391,7 +392,7 @@ def not_dispatchable_reason() -> str | None:
 
 
 def _checked_triton() -> bool:
-    return ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITONS
+    return triton_minor() in CHECKED_TRITONS
 
 
 def _check_weights(w: Fp8Tensor, shape: str) -> tuple[int, int, int]:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ... import device_facts
 from ...errors import MoEEpConfigError, check, fail
-from ...triton_runtime import INTERPRETER, check_on_kernel_device
+from ...triton_runtime import INTERPRETER, check_on_kernel_device, triton_minor
 from .. import host_math
 from ..nvfp4 import e2m1_values, e4m3_values_of_bytes, swizzled_offset
 from ..nvfp4_tensor import NvFp4Tensor
@@ -66,7 +66,7 @@ def unavailable_reason() -> str | None:
         return "needs a compute capability 10.x GPU (B200 / GB200); none here"
     if props.major != 10:
         return f"needs a compute capability 10.x GPU (B200 / GB200); this one is {props.major}.{props.minor}"
-    if ".".join(triton.__version__.split(".")[:2]) not in CHECKED_TRITONS:
+    if triton_minor() not in CHECKED_TRITONS:
         return f"Triton {triton.__version__}: its builds were checked under {' / '.join(CHECKED_TRITONS)} only"
     return None
 
