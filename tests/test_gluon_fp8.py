@@ -22,8 +22,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from moe_ep import MoEEpConfigError, MoEEpInputError
-from moe_ep.kernels.fp8 import Fp8Tensor
+from moe_ep import device_facts, options
+from moe_ep.kernels import expert_mlp, plan_grouped_gemm
+from moe_ep.kernels.fp8 import Fp8Tensor, quantize_fp8
 from moe_ep.kernels.grouped_gemm import gluon_fp8
+from moe_ep.kernels.grouped_gemm import plan as gemm_plan
 from moe_ep.reference import quantize_fp8_ref, swiglu_fp8_ref
 from moe_ep.testing.properties import assert_fp8_rows_close, check_gluon_fp8_gemm, check_gluon_fp8_swiglu_gemm
 from moe_ep.testing.strategies import gluon_fp8_cases
@@ -232,8 +235,6 @@ def _mlp_operands(dev, G=3, H=256, I=128, counts=(140, 0, 131), seed=5):
 
 def _plans(x, q13, q2, offsets, **kw):
     """(GEMM1's plan, GEMM2's plan) of an FP8 expert MLP's two calls, planned without launching."""
-    from moe_ep.kernels import plan_grouped_gemm
-    from moe_ep.kernels.fp8 import quantize_fp8
     x8 = quantize_fp8(x, 1)
     h = Fp8Tensor(torch.zeros(x.shape[0], q13.shape[1] // 2, dtype=torch.float8_e4m3fn, device=x.device),
                   torch.ones(x.shape[0], -(-q13.shape[1] // 256), device=x.device), 1)
@@ -245,7 +246,6 @@ def _plans(x, q13, q2, offsets, **kw):
 def gluon_dispatchable(monkeypatch):
     """The dispatcher sees the Gluon FP8 kernels as verified here (a CPU test of its decisions); plans made before
     and after are dropped."""
-    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
     monkeypatch.setattr(gluon_fp8, "dispatchable", lambda: True)
     gemm_plan.clear_cache()
     yield
@@ -257,17 +257,13 @@ def test_dispatcher_takes_the_gluon_path_for_ragged_fp8_prefill(gluon_dispatchab
     "gluon-fp8" path in both forms (GEMM1 SwiGLU + FP8 out, GEMM2 bf16 out), with the default variant and one program
     per SM; everything else keeps the tl kernel: below the bucket, the option off, masked, GEMM1 with a bf16 output,
     an fp32 output, a forced config, bf16 operands, more experts than the kernel takes."""
-    from moe_ep import options
     x, q13, _, q2, _, offsets, _ = _mlp_operands(torch.device("cpu"))
     with options.override(gluon_fp8_min_m=128):  # (whatever the default)
-        _dispatcher_decisions(x, q13, q2, offsets)
+        _assert_dispatcher_decisions(x, q13, q2, offsets)
 
 
-def _dispatcher_decisions(x, q13, q2, offsets):
-    """The decisions of the test above, from 128 tokens per expert on."""
-    from moe_ep import device_facts, options
-    from moe_ep.kernels import plan_grouped_gemm
-    from moe_ep.kernels.fp8 import quantize_fp8
+def _assert_dispatcher_decisions(x, q13, q2, offsets):
+    """The test above's assertions, under MOE_EP_GLUON_FP8_MIN_M=128."""
     p1, p2 = _plans(x, q13, q2, offsets, m_hint=128)
     assert (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8")
     assert p1.config == {"VARIANT": gluon_fp8.DEFAULT_SWIGLU_VARIANT, "BLOCK_M": 128, "BLOCK_N": 128}
@@ -300,8 +296,6 @@ def _dispatcher_decisions(x, q13, q2, offsets):
 
 def test_dispatcher_keeps_the_tl_path_where_gluon_is_not_verified():
     """Without an sm_90 GPU, or under a Triton outside ``gluon_fp8.CHECKED_TRITONS``, nothing plans the Gluon path."""
-    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
-    from moe_ep import options
     x, q13, _, q2, _, offsets, _ = _mlp_operands(torch.device("cpu"))
     gemm_plan.clear_cache()
     want = "gluon-fp8" if gluon_fp8.dispatchable() else "tl"
@@ -351,7 +345,6 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, m
     w13 and the SwiGLU variant and writes FP8 codes + scales, GEMM2 gets exactly those, w2, the routing weights and
     a bf16 output; int64 offsets reach the kernel as int32 clamped to [0, S] first (a value past 2^32 does not wrap
     onto a small one); the result is the FP8 reference's, and the rows of no expert are left as they were."""
-    from moe_ep import options
     from moe_ep.reference import dequantize_fp8_ref, expert_mlp_fp8_ref, quantize_fp8_ref
     from moe_ep.testing.properties import MLP_TOL, assert_rel_close
     dev = torch.device("cpu")
@@ -382,11 +375,6 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, m
     assert torch.isnan(out[end:].float()).all(), "a row of no expert was written"
 
 
-def expert_mlp(*args, **kwargs):
-    from moe_ep.kernels import expert_mlp as run
-    return run(*args, **kwargs)
-
-
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -394,8 +382,6 @@ def test_expert_mlp_runs_the_gluon_path_on_hopper(index_dtype):
     """On the H200: an FP8 expert MLP at a prefill bucket plans and runs the Gluon kernels (both GEMMs), matches the FP8
     reference and the tl path's result on the same operands (``MOE_EP_GLUON_FP8_MIN_M=off``), leaves the rows of no
     expert as they were, and replays bit for bit in a CUDA graph."""
-    from moe_ep import options
-    from moe_ep.kernels.grouped_gemm import plan as gemm_plan
     from moe_ep.reference import dequantize_fp8_ref, expert_mlp_fp8_ref, quantize_fp8_ref
     from moe_ep.testing.properties import GLUON_FP8_TL_TOL, MLP_TOL, assert_rel_close
     x, q13, r13, q2, r2, offsets, rs = _mlp_operands(CUDA, G=4, H=512, I=384, counts=(300, 0, 129, 77))
