@@ -2,24 +2,25 @@
 the tl FP8 grouped GEMM.
 
 The GPU cases need sm_90 (wgmma, TMA) and run every variant (``gluon_fp8.VARIANTS``, and GEMM1's
-``gluon_fp8.SWIGLU_VARIANTS``) as its own test, so that one failing variant does not hide the others. The reference multiplies the dequantized operands (``dequantize_fp8_ref``)
-in fp32: the kernel computes that function up to the summation order (the products of two e4m3 values are exact in
-fp32), the tensor core's FP8 accumulation within one 128-wide K block and the bf16 output: 1e-2 relative, the bound
-tests/test_fp8_gemm.py holds the tl FP8 GEMM to. Against the tl FP8 GEMM on the same operands the bound is the sum of
-the two kernels' bounds, 2e-2 (each is within 1e-2 of the same fp32 result). GEMM1 (SwiGLU, FP8 out) is held to
-``swiglu_fp8_ref`` of the reference's fp32 SwiGLU values and to the tl FP8 GEMM1's output, each by
-``properties.assert_fp8_rows_close``: both sides quantize by one rule, so a code differs (by one step where normal)
-only where the fp32 sums' order puts its value across a rounding boundary; dequantized values within 2e-2 relative
-norm, scales within 1e-2 each, at least 75% of the codes identical (``properties.GLUON_FP8_*`` say why; the
-comparison itself is checked on CPU: it passes sums a hair apart and fails a wrong rounding rule or scale). The bad-input tables and the no-GPU errors run
-anywhere (the argument checks come before any launch; the device checks last).
+``gluon_fp8.SWIGLU_VARIANTS``) as its own test, so that one failing variant does not hide the others. The reference
+multiplies the dequantized operands (``dequantize_fp8_ref``) in fp32: the kernel computes that function up to the
+summation order (the products of two e4m3 values are exact in fp32), the tensor core's FP8 accumulation within one
+128-wide K block and the bf16 output: 1e-2 relative, the bound tests/test_fp8_gemm.py holds the tl FP8 GEMM to. Against
+the tl FP8 GEMM on the same operands the bound is the sum of the two kernels' bounds, 2e-2 (each is within 1e-2 of the
+same fp32 result). GEMM1 (SwiGLU, FP8 out) is held to ``swiglu_fp8_ref`` of the reference's fp32 SwiGLU values and to
+the tl FP8 GEMM1's output, each by ``properties.assert_fp8_rows_close``: both sides quantize by one rule, so a code
+differs (by one step where normal) only where the fp32 sums' order puts its value across a rounding boundary;
+dequantized values within 2e-2 relative norm, scales within 1e-2 each past what the sums' error may move their block's
+amax by, at least 75% of the codes identical (``properties.GLUON_FP8_*`` say why; the comparison itself is checked on
+CPU: it passes sums a hair apart and fails a wrong rounding rule or scale). The bad-input tables and the no-GPU errors
+run anywhere (the argument checks come before any launch; the device checks last).
 """
 
 import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from moe_ep import MoEEpConfigError, MoEEpInputError
 from moe_ep import device_facts, options
@@ -28,14 +29,20 @@ from moe_ep.kernels.fp8 import Fp8Tensor, quantize_fp8
 from moe_ep.kernels.grouped_gemm import gluon_fp8
 from moe_ep.kernels.grouped_gemm import plan as gemm_plan
 from moe_ep.reference import quantize_fp8_ref, swiglu_fp8_ref
-from moe_ep.testing.properties import assert_fp8_rows_close, check_gluon_fp8_gemm, check_gluon_fp8_swiglu_gemm
+from moe_ep.testing.properties import (assert_fp8_rows_close, check_gluon_fp8_gemm, check_gluon_fp8_swiglu_gemm,
+                                      gluon_fp8_problem, swiglu_amax_error)
 from moe_ep.testing.strategies import gluon_fp8_cases
+from moe_ep.triton_runtime import device as kernel_device
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is built for sm_90 (Hopper)")
 VARIANTS = list(gluon_fp8.VARIANTS)
 SWIGLU_VARIANTS = list(gluon_fp8.SWIGLU_VARIANTS)
 CUDA = torch.device("cuda")
+NEGATIVE_GATE_AMAX = dict(G=2, K=512, N=8, counts=[0, 1], lead=0, pad=0, row_scale=False, scale=300.0, zero_frac=0.0,
+                          variant="single", swiglu=True, seed=0)
+"""A GEMM1 case whose one row block's amax is the SwiGLU value of a gate sum of -8.4 over products of magnitude 4.3e3
+in all: the H200's scale was 1.3e-2 off the reference's there (``properties.FP8_MMA_SUM_EPS``)."""
 
 
 def _truncated(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -60,6 +67,37 @@ def test_fp8_rows_comparison_passes_near_sums_and_fails_a_wrong_rule(rows, cols)
     with pytest.raises(AssertionError, match="scale"):
         half = (q_ref.float() / 2).to(torch.float8_e4m3fn)
         assert_fp8_rows_close(half, s_ref * 2, q_ref, s_ref, "scale doubled")
+
+
+def _swiglu_with_sum_errors(c: dict, rel: float):
+    """The reference's FP8 GEMM1 output of a case with every gate and up sum moved by ``rel`` of its products'
+    magnitudes (away from zero: the sign the H200 showed), and the reference's own, quantized alike."""
+    from moe_ep.reference import dequantize_fp8_ref, grouped_gemm_ref
+    x8, w8, offsets, (lo, hi), _, h = gluon_fp8_problem(c, "cpu")
+    x, w = dequantize_fp8_ref(x8.data, x8.scales, 1), dequantize_fp8_ref(w8.data, w8.scales, 128, True)
+    sums = grouped_gemm_ref(x, w, offsets=offsets)[lo:hi]
+    moved = sums + rel * sums.sign() * grouped_gemm_ref(x.abs(), w.abs(), offsets=offsets)[lo:hi]
+    gate, up = moved.chunk(2, dim=-1)
+    return swiglu_fp8_ref(torch.nn.functional.silu(gate) * up), swiglu_fp8_ref(h), \
+        swiglu_amax_error(x8, w8, offsets, lo, hi)
+
+
+def test_scale_comparison_allows_a_negative_gates_sum_error_and_no_more():
+    """GEMM1's scales on the case where the H200's differed by 1.3e-2 (``NEGATIVE_GATE_AMAX``): sums moved by 2^-18 of
+    their products' magnitudes (what the H200 showed there) pass with the bound of ``swiglu_amax_error`` and fail
+    without it; a scale twice too large still fails with it, and so do sums moved by 4 times ``FP8_MMA_SUM_EPS``."""
+    from moe_ep.testing.properties import FP8_MMA_SUM_EPS
+    (q, s), (q_ref, s_ref), amax_err = _swiglu_with_sum_errors(NEGATIVE_GATE_AMAX, 2.0 ** -18)
+    assert ((s - s_ref).abs() / s_ref).max() > 5e-3  # the block is as ill-conditioned as on the H200
+    assert_fp8_rows_close(q, s, q_ref, s_ref, "sums 2^-18 apart", amax_err)
+    with pytest.raises(AssertionError, match="scale"):
+        assert_fp8_rows_close(q, s, q_ref, s_ref, "sums 2^-18 apart, no bound")
+    half = (q_ref.float() / 2).to(torch.float8_e4m3fn)
+    with pytest.raises(AssertionError, match="scale"):
+        assert_fp8_rows_close(half, s_ref * 2, q_ref, s_ref, "scale doubled", amax_err)
+    (q, s), _, _ = _swiglu_with_sum_errors(NEGATIVE_GATE_AMAX, 4 * FP8_MMA_SUM_EPS)
+    with pytest.raises(AssertionError):  # (the values' norm already sees it)
+        assert_fp8_rows_close(q, s, q_ref, s_ref, "sums 2^-12 apart", amax_err)
 
 
 @pytest.mark.gpu
@@ -92,6 +130,7 @@ def test_gluon_fp8_benchmark_shapes(variant, N, K, rows):
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], deadline=None)
 @pytest.mark.parametrize("variant", SWIGLU_VARIANTS)
 @given(c=gluon_fp8_cases(swiglu=True))
+@example(c=NEGATIVE_GATE_AMAX)
 def test_gluon_fp8_swiglu_matches_reference_and_tl(variant, c):
     check_gluon_fp8_swiglu_gemm(dict(c, variant=variant), CUDA)
 
@@ -127,9 +166,9 @@ def test_gluon_fp8_swiglu_benchmark_shapes(variant, rows):
     check_gluon_fp8_swiglu_gemm(c, CUDA, against_tl=False)
 
 
-def _w(G, N, K, block_rows=128, gate_up=False):
+def _w(G, N, K, block_rows=128, gate_up=False, device="cpu"):
     shape = (N, K) if G is None else (G, N, K)
-    return Fp8Tensor(*quantize_fp8_ref(torch.ones(shape), block_rows, gate_up), block_rows, gate_up)
+    return Fp8Tensor(*quantize_fp8_ref(torch.ones(shape, device=device), block_rows, gate_up), block_rows, gate_up)
 
 
 def _x(M, K):
@@ -257,7 +296,7 @@ def test_dispatcher_takes_the_gluon_path_for_ragged_fp8_prefill(gluon_dispatchab
     "gluon-fp8" path in both forms (GEMM1 SwiGLU + FP8 out, GEMM2 bf16 out), with the default variant and one program
     per SM; everything else keeps the tl kernel: below the bucket, the option off, masked, GEMM1 with a bf16 output,
     an fp32 output, a forced config, bf16 operands, more experts than the kernel takes."""
-    x, q13, _, q2, _, offsets, _ = _mlp_operands(torch.device("cpu"))
+    x, q13, _, q2, _, offsets, _ = _mlp_operands(kernel_device())  # (plans check that operands are where kernels run)
     with options.override(gluon_fp8_min_m=128):  # (whatever the default)
         _assert_dispatcher_decisions(x, q13, q2, offsets)
 
@@ -277,26 +316,30 @@ def _assert_dispatcher_decisions(x, q13, q2, offsets):
         assert {p.path for p in _plans(x, q13, q2, offsets, m_hint=4096)} == {"tl"}
     x8 = quantize_fp8(x, 1)
     assert plan_grouped_gemm(x8, q13, offsets=offsets, swiglu=True, m_hint=512).path == "tl"  # bf16 SwiGLU out
-    w2_form = _w(3, 64, 256)  # GEMM2's form over x8 (K 256)
+    dev = x.device
+    w2_form = _w(3, 64, 256, device=dev)  # GEMM2's form over x8 (K 256)
     assert plan_grouped_gemm(x8, w2_form, offsets=offsets, m_hint=512).path == "gluon-fp8"
-    fp32 = plan_grouped_gemm(x8, w2_form, offsets=offsets, out=torch.empty(x.shape[0], 64), m_hint=512)
+    fp32 = plan_grouped_gemm(x8, w2_form, offsets=offsets, out=torch.empty(x.shape[0], 64, device=dev),
+                             m_hint=512)
     assert (fp32.path, fp32.out_format) == ("tl", "fp32")
     forced = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SWAP_AB=False, GROUP_M=8, TMA=False, num_warps=4,
                   num_stages=2)
     assert plan_grouped_gemm(x8, q13, offsets=offsets, swiglu=True, quantize_out=True, m_hint=512,
                              config=forced).path == "tl"
     masked = quantize_fp8(x[:270].reshape(3, 90, 256), 1)
-    assert plan_grouped_gemm(masked, q13, counts=torch.tensor([5, 0, 7]), swiglu=True, quantize_out=True,
+    assert plan_grouped_gemm(masked, q13, counts=torch.tensor([5, 0, 7], device=dev), swiglu=True, quantize_out=True,
                              m_hint=512).path == "tl"
     assert plan_grouped_gemm(x, x.new_zeros(3, 64, 256), offsets=offsets, m_hint=512).path == "tl"  # bf16
     many = gluon_fp8.MAX_EXPERTS + 1
-    wide = Fp8Tensor(torch.zeros(many, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(many, 1, 2), 128)
-    assert plan_grouped_gemm(x8, wide, offsets=torch.zeros(many + 1, dtype=torch.int32), m_hint=512).path == "tl"
+    wide = Fp8Tensor(torch.zeros(many, 128, 256, dtype=torch.float8_e4m3fn, device=dev),
+                     torch.ones(many, 1, 2, device=dev), 128)
+    assert plan_grouped_gemm(x8, wide, offsets=torch.zeros(many + 1, dtype=torch.int32, device=dev),
+                             m_hint=512).path == "tl"
 
 
 def test_dispatcher_keeps_the_tl_path_where_gluon_is_not_verified():
     """Without an sm_90 GPU, or under a Triton outside ``gluon_fp8.CHECKED_TRITONS``, nothing plans the Gluon path."""
-    x, q13, _, q2, _, offsets, _ = _mlp_operands(torch.device("cpu"))
+    x, q13, _, q2, _, offsets, _ = _mlp_operands(kernel_device())
     gemm_plan.clear_cache()
     want = "gluon-fp8" if gluon_fp8.dispatchable() else "tl"
     with options.override(gluon_fp8_min_m=8):
@@ -347,7 +390,7 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, m
     onto a small one); the result is the FP8 reference's, and the rows of no expert are left as they were."""
     from moe_ep.reference import dequantize_fp8_ref, expert_mlp_fp8_ref, quantize_fp8_ref
     from moe_ep.testing.properties import MLP_TOL, assert_rel_close
-    dev = torch.device("cpu")
+    dev = kernel_device()  # (the stand-in computes with torch wherever x is)
     calls = []
     monkeypatch.setattr(gluon_fp8, "launch", _reference_launch(calls))
     x, q13, r13, q2, r2, offsets, rs = _mlp_operands(dev)
@@ -355,7 +398,7 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, m
     offs = offsets.to(index_dtype)
     if index_dtype is torch.int64:  # the last expert's end past 2^32: clamped to S (its truncation would be 1)
         offs[-1] = 2**32 + 1
-    out = torch.full((S, x.shape[1]), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((S, x.shape[1]), float("nan"), dtype=torch.bfloat16, device=dev)
     with options.override(gluon_fp8_min_m=128):
         got, (p1, p2) = expert_mlp(x, q13, q2, offsets=offs, row_scale=rs, out=out, m_hint=256, return_plan=True)
     assert got is out and (p1.path, p2.path) == ("gluon-fp8", "gluon-fp8")
@@ -378,10 +421,12 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(gluon_dispatchable, m
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_expert_mlp_runs_the_gluon_path_on_hopper(index_dtype):
+def test_expert_mlp_runs_the_gluon_path_on_hopper(index_dtype, monkeypatch):
     """On the H200: an FP8 expert MLP at a prefill bucket plans and runs the Gluon kernels (both GEMMs), matches the FP8
     reference and the tl path's result on the same operands (``MOE_EP_GLUON_FP8_MIN_M=off``), leaves the rows of no
-    expert as they were, and replays bit for bit in a CUDA graph."""
+    expert as they were, and replays bit for bit in a CUDA graph. Under a Triton not in ``CHECKED_TRITONS`` as well:
+    this is the test that checks one before it goes on that list."""
+    monkeypatch.setattr(gluon_fp8, "dispatchable", gluon_fp8.available)
     from moe_ep.reference import dequantize_fp8_ref, expert_mlp_fp8_ref, quantize_fp8_ref
     from moe_ep.testing.properties import GLUON_FP8_TL_TOL, MLP_TOL, assert_rel_close
     x, q13, r13, q2, r2, offsets, rs = _mlp_operands(CUDA, G=4, H=512, I=384, counts=(300, 0, 129, 77))
