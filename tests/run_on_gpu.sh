@@ -18,6 +18,9 @@ if [ "$tri" = 39 ]; then source .triton-kit/setup_on_device.sh .triton-kit || ex
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t0=$(date +%s)
+# work stealing (pytest-xdist >= 3.2) keeps the 16 workers busy to the end: the slowest tests take minutes each
+steal='import xdist; print("--dist=worksteal" if tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 2) else "")'
+dist=$(python3 -c "$steal" 2>/dev/null)
 left() { local l=$(( ${DEADLINE:-585} - ($(date +%s) - t0) )); [ $l -gt 1 ] && echo $l || echo 1; }
 summary() { echo "$1 rc=$2"; grep -E "^(FAILED|ERROR)" "$3" | head -30; tail -3 "$3"; }
 for step in "$@"; do
@@ -25,11 +28,11 @@ for step in "$@"; do
   case $step in
     suite)
       only=(); [ "$tri" = 39 ] && only=(-m 'not one_triton')
-      timeout "${SUITE_S:-480}" python3 -m pytest -q -n 16 -p no:cacheprovider --durations=25 tests \
+      timeout "${SUITE_S:-480}" python3 -m pytest -q -n 16 $dist -p no:cacheprovider --durations=25 tests \
         --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
       summary suite $? "$out/suite$tri.log" ;;
     tests:*)
-      timeout "$(left)" python3 -m pytest -q -n 16 -p no:cacheprovider ${step#tests:} > "$out/tests$tri.log" 2>&1
+      timeout "$(left)" python3 -m pytest -q -n 16 $dist -p no:cacheprovider ${step#tests:} > "$out/tests$tri.log" 2>&1
       summary tests $? "$out/tests$tri.log" ;;
     fp8_bench)
       MOE_EP_GLUON_FP8_MIN_M=128 timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights fp8 --quick \
