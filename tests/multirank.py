@@ -18,6 +18,11 @@ LAYOUTS = [(a.value, lay.value) for a, lay in SUPPORTED_LAYOUTS]
 ROUTINGS = ["random", "one_expert", "one_rank", "zero_tokens", "all_minus1", "full"]
 
 
+def case_id(case: tuple) -> str:
+    """A test id of a :func:`matrix` case: ``alg-layout-weights-activations``."""
+    return "-".join(case)
+
+
 def matrix():
     """(algorithm, layout, weight format, activation format): every layout x weight format, plus NVFP4
     activations for one layout per algorithm; FP8 (W8A8) in every layout, its tokens quantized before dispatch
@@ -63,8 +68,10 @@ def bound(wf: str, af: str) -> float:
     return BOUNDS[(wf, af)]
 
 
-def run_cases(rank: int, world: int, group, dev: torch.device, cases=None, routings=None) -> list[str]:
-    """Run every case on this rank; return failure messages (empty = all passed)."""
+def run_cases(rank: int, world: int, group, dev: torch.device, cases=None, routings=None,
+              first_index: int = 0) -> list[str]:
+    """Run every case on this rank; return failure messages (empty = all passed). ``first_index``: the index in
+    :func:`matrix` of ``cases[0]`` (a case's routings are seeded by its index, wherever it runs)."""
     from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
     from moe_ep.reference import moe_reference
 
@@ -73,7 +80,7 @@ def run_cases(rank: int, world: int, group, dev: torch.device, cases=None, routi
     w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
     w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
     fails, dense = [], {}
-    for ci, (alg, lay, wf, af) in enumerate(cases or matrix()):
+    for ci, (alg, lay, wf, af) in enumerate(cases or matrix(), start=first_index):
         cfg = EpConfig(**CFG, algorithm=alg, layout=lay, weight_format=wf, activation_format=af)
         layer = MoEEpLayer(cfg, ExpertWeights.from_global(w13, w2, rank, world, wf, device=dev), group=group)
         if wf not in dense:  # the reference's operands depend on the format alone (all experts, quantized once)

@@ -4,13 +4,15 @@ ranks sharing the GPU (gloo, CUDA tensors staged through host memory), CUDA-grap
 import pytest
 import torch
 
-from multirank import CFG, LAYOUTS, run_cases, spawn_and_check
+from multirank import CFG, LAYOUTS, case_id, matrix, run_cases, spawn_and_check
 
 pytestmark = pytest.mark.gpu
 
 
-def test_world_1_cuda_all_layouts():
-    fails = run_cases(0, 1, None, torch.device("cuda"))
+@pytest.mark.parametrize("ci", range(len(matrix())), ids=[case_id(c) for c in matrix()])
+def test_world_1_cuda_all_layouts(ci):
+    """One case of the layer's matrix at world size 1 on cuda (each case its own test, so that workers share them)."""
+    fails = run_cases(0, 1, None, torch.device("cuda"), cases=[matrix()[ci]], first_index=ci)
     assert not fails, "\n".join(fails)
 
 

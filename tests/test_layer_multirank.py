@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from multirank import LAYOUTS, matrix, run_cases, spawn_and_check
+from multirank import LAYOUTS, case_id, matrix, run_cases, spawn_and_check
 
 
 def test_matrix_covers_every_layout_weight_format_and_activation_pair():
@@ -19,9 +19,13 @@ def test_matrix_covers_every_layout_weight_format_and_activation_pair():
     assert {(wf, af) for *_, wf, af in cases} == {(w.value, x.value) for w, xs in ACTIVATION_FORMATS.items() for x in xs}
 
 
-def test_world_1_no_process_group():
-    from moe_ep.triton_runtime import device
-    fails = run_cases(0, 1, None, device())
+@pytest.mark.parametrize("ci", range(len(matrix())), ids=[case_id(c) for c in matrix()])
+def test_world_1_no_process_group(ci):
+    """One case of the matrix at world size 1 without a process group, in the interpreter (each case its own test,
+    so that workers share them)."""
+    if torch.cuda.is_available():
+        pytest.skip("the kernels' interpreter path: on a GPU the same cases are tests/test_gpu_layer.py's")
+    fails = run_cases(0, 1, None, torch.device("cpu"), cases=[matrix()[ci]], first_index=ci)
     assert not fails, "\n".join(fails)
 
 
