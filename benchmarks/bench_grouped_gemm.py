@@ -16,8 +16,8 @@ file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 
 From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--write-configs DIR] \
-        [--weights nvfp4,fp8]
+    PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--rows-from N] \
+        [--write-configs DIR] [--weights nvfp4,fp8]
 """
 
 from __future__ import annotations
@@ -225,6 +225,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_grouped_gemm.json", help="full results as JSON")
     ap.add_argument("--quick", action="store_true", help="a few rows, bounded autotune")
+    ap.add_argument("--rows-from", type=int, default=None, metavar="N",
+                    help="every row with at least N tokens per expert (with --quick: those rows, bounded autotune)")
     ap.add_argument("--write-configs", default=None, help="folder to write <device>.json tuned configs into")
     ap.add_argument("--weights", default="nvfp4", help="quantized weight formats timed beside bf16, comma-separated: "
                     f"{', '.join(WEIGHT_FORMATS)} (default nvfp4)")
@@ -241,7 +243,7 @@ def main():
     with options.override(autotune_quick=True) if args.quick else contextlib.nullcontext():  # bounded search
         for name, (E, H, I, tpes) in MODELS.items():
             for tpe in tpes:
-                if args.quick and tpe not in QUICK[name]:
+                if (tpe < args.rows_from) if args.rows_from is not None else (args.quick and tpe not in QUICK[name]):
                     continue
                 r = run_row(name, E, H, I, tpe, table, formats)
                 rows.append(r)

@@ -5,8 +5,8 @@
 #                                               with bash shared/tools/triton-kit/make_kit.sh .triton-kit)
 # STEP: suite (every test but the CPU compile checks; with 39 less the one_triton tests, as CI's second run),
 #       tests:"PYTEST ARGS" (some test files), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
-#       dispatcher's Gluon FP8 path on from 128 tokens per expert, the tl kernel beside it), layer (bench_layer.py,
-#       with its cProfile reports of the eager forward).
+#       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it),
+#       layer (bench_layer.py, with its cProfile reports of the eager forward).
 # Logs and JSON go to $OUT (./out when unset; git-ignored); a step stops at its share of DEADLINE seconds from the
 # start (default 585: under a call's 600 s limit), the suite at SUITE_S (default 480). The last lines printed are
 # each step's summary.
@@ -36,7 +36,7 @@ for step in "$@"; do
       summary tests $? "$out/tests$tri.log" ;;
     fp8_bench)
       MOE_EP_GLUON_FP8_MIN_M=128 timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights fp8 --quick \
-        --out "$out/fp8.json" > "$out/fp8_bench.log" 2>&1
+        --rows-from 128 --out "$out/fp8.json" > "$out/fp8_bench.log" 2>&1
       summary fp8_bench $? "$out/fp8_bench.log"; tail -12 "$out/fp8_bench.log" ;;
     layer)
       timeout "$(left)" python3 benchmarks/bench_layer.py --out "$out/layer.json" --profile "$out/layer_profile" \
