@@ -17,10 +17,10 @@ from moe_ep.testing.compile_checks import SM90_ONLY
 # moe_ep.testing.compile_checks.TABLES
 KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4", "gluon_fp8"]
 
-# The builds are split into three groups per target, each one process (importing torch and triton once for the group):
-# the grouped GEMM's variants and the smem estimate's configs are most of the work, so as separate tests pytest-xdist can
-# run them on different workers. Every check of a group runs even when one fails, and each says how it ended (a JSON
-# line). Each group builds all its items, or its shard's half (--compile-shard, tests/conftest.py).
+# The builds are split into three groups per target, each one process (importing torch and triton once for the
+# group): the grouped GEMM's variants and the smem estimate's configs are most of the work, so as separate tests
+# pytest-xdist can run them on different workers. Every check of a group runs even when one fails, and each says how
+# it ended (a JSON line). Each group builds all its items, or its shard's half (--compile-shard, tests/conftest.py).
 GROUPS = {"grouped_gemm": ["grouped_gemm"], "smem": ["smem"],
           "others": [m for m in KERNEL_MODULES if m != "grouped_gemm"]}
 

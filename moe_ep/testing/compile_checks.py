@@ -1,6 +1,7 @@
 """What the compile checks build: ``(raw jit function, signature, constexprs)`` per kernel variant, one function
 per kernel module (:data:`TABLES`), for ``tests/test_compile.py``, which builds each with ``triton.compile`` for
-sm_90 and sm_100 in a process without the interpreter (no GPU needed). Test support, so it lives here, not in the kernels."""
+sm_90 and sm_100 in a process without the interpreter (no GPU needed). Test support, so it lives here, not in the
+kernels."""
 
 from __future__ import annotations
 
