@@ -584,4 +584,5 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
 
 
 __all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
-           "available", "dispatchable", "not_dispatchable_reason", "launch", "unavailable_reason", "VARIANTS", "SWIGLU_VARIANTS", "K_MULTIPLE"]
+           "available", "dispatchable", "not_dispatchable_reason", "launch", "unavailable_reason", "VARIANTS",
+           "SWIGLU_VARIANTS", "K_MULTIPLE"]
