@@ -17,13 +17,12 @@ file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
 
     PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--rows-from N] \
-        [--write-configs DIR] [--weights nvfp4,fp8]
+        [--gluon-fp8-min-m N|off] [--write-configs DIR] [--weights nvfp4,fp8]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -227,6 +226,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few rows, bounded autotune")
     ap.add_argument("--rows-from", type=int, default=None, metavar="N",
                     help="every row with at least N tokens per expert (with --quick: those rows, bounded autotune)")
+    ap.add_argument("--gluon-fp8-min-m", default=None, metavar="N|off",
+                    help="the MOE_EP_GLUON_FP8_MIN_M option for this run (options.override): from this bucket on the "
+                    "FP8 rows take the Gluon GEMMs, timed beside the tl kernel ('x tl')")
     ap.add_argument("--write-configs", default=None, help="folder to write <device>.json tuned configs into")
     ap.add_argument("--weights", default="nvfp4", help="quantized weight formats timed beside bf16, comma-separated: "
                     f"{', '.join(WEIGHT_FORMATS)} (default nvfp4)")
@@ -240,7 +242,10 @@ def main():
     print(f"device {dev_name}, {device_facts.sm_count()} SMs, triton {triton.__version__}, torch {torch.__version__}",
           flush=True)
     rows, table = [], {}
-    with options.override(autotune_quick=True) if args.quick else contextlib.nullcontext():  # bounded search
+    run_options = {"autotune_quick": True} if args.quick else {}  # (quick: a bounded search)
+    if args.gluon_fp8_min_m is not None:
+        run_options["gluon_fp8_min_m"] = args.gluon_fp8_min_m
+    with options.override(**run_options):
         for name, (E, H, I, tpes) in MODELS.items():
             for tpe in tpes:
                 if (tpe < args.rows_from) if args.rows_from is not None else (args.quick and tpe not in QUICK[name]):

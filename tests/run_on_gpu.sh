@@ -35,8 +35,8 @@ for step in "$@"; do
       timeout "$(left)" python3 -m pytest -q -n 16 $dist -p no:cacheprovider ${step#tests:} > "$out/tests$tri.log" 2>&1
       summary tests $? "$out/tests$tri.log" ;;
     fp8_bench)
-      MOE_EP_GLUON_FP8_MIN_M=128 timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights fp8 --quick \
-        --rows-from 128 --out "$out/fp8.json" > "$out/fp8_bench.log" 2>&1
+      timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights fp8 --quick --rows-from 128 \
+        --gluon-fp8-min-m 128 --out "$out/fp8.json" > "$out/fp8_bench.log" 2>&1
       summary fp8_bench $? "$out/fp8_bench.log"; tail -12 "$out/fp8_bench.log" ;;
     layer)
       timeout "$(left)" python3 benchmarks/bench_layer.py --out "$out/layer.json" --profile "$out/layer_profile" \

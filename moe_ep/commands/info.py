@@ -55,11 +55,12 @@ def fast_paths() -> list[dict]:
     the calls it takes, whether it is taken here, and why not (or from when)."""
     from .. import options
     from ..kernels.grouped_gemm import gluon_fp8, sm100_fp4
-    min_m = options.current().gluon_fp8_min_m
+    min_m, var = options.current().gluon_fp8_min_m, options.ENV["gluon_fp8_min_m"]
     why = gluon_fp8.not_dispatchable_reason()
     if why is None:
-        why = (f"from {min_m} tokens per expert (MOE_EP_GLUON_FP8_MIN_M)" if min_m is not None else
-               "MOE_EP_GLUON_FP8_MIN_M is off (its default): set it to 128 to take this path")
+        default = " (its default)" if options.DEFAULT_GLUON_FP8_MIN_M is None else ""
+        why = (f"from {min_m} tokens per expert ({var})" if min_m is not None else
+               f"{var} is off{default}: set it to 128 to take this path")
     return [dict(name="gluon-fp8", calls="ragged FP8 GEMMs at prefill sizes (Hopper, sm_90)",
                  taken=gluon_fp8.dispatchable() and min_m is not None, reason=why),
             dict(name="sm100-fp4", calls="W4A4: NVFP4 x and weights (Blackwell, capability 10.x)",
