@@ -6,10 +6,12 @@
 # STEP: suite (every test but the CPU compile checks; with 39 less the one_triton tests, as CI's second run),
 #       tests:"PYTEST ARGS" (some test files), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it),
+#       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
 #       layer (bench_layer.py, with its cProfile reports of the eager forward).
 # Logs and JSON go to $OUT (./out when unset; git-ignored); a step stops at its share of DEADLINE seconds from the
-# start (default 585: under a call's 600 s limit), the suite at SUITE_S (default 480). The last lines printed are
-# each step's summary.
+# start (default 585: under a call's 600 s limit), the suite at SUITE_S (default 480); a suite stopped by its limit is
+# interrupted (SIGINT), so pytest still prints what passed and failed so far. The last lines printed are each step's
+# summary.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-./out}; mkdir -p "$out"
@@ -28,16 +30,20 @@ for step in "$@"; do
   case $step in
     suite)
       only=(); [ "$tri" = 39 ] && only=(-m 'not one_triton')
-      timeout "${SUITE_S:-480}" python3 -m pytest -q -n 16 $dist -p no:cacheprovider --durations=25 tests \
-        --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
+      timeout -s INT -k 30 "${SUITE_S:-480}" python3 -m pytest -q -n 16 $dist -p no:cacheprovider --durations=25 \
+        tests --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
       summary suite $? "$out/suite$tri.log" ;;
     tests:*)
-      timeout "$(left)" python3 -m pytest -q -n 16 $dist -p no:cacheprovider ${step#tests:} > "$out/tests$tri.log" 2>&1
+      timeout -s INT -k 30 "$(left)" python3 -m pytest -q -n 16 $dist -p no:cacheprovider ${step#tests:} \
+        > "$out/tests$tri.log" 2>&1
       summary tests $? "$out/tests$tri.log" ;;
     fp8_bench)
       timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights fp8 --quick --rows-from 128 \
         --gluon-fp8-min-m 128 --out "$out/fp8.json" > "$out/fp8_bench.log" 2>&1
       summary fp8_bench $? "$out/fp8_bench.log"; tail -12 "$out/fp8_bench.log" ;;
+    gluon_bench)
+      timeout "$(left)" python3 benchmarks/bench_gluon_nvfp4.py --out "$out/gluon.json" > "$out/gluon_bench.log" 2>&1
+      summary gluon_bench $? "$out/gluon_bench.log"; tail -12 "$out/gluon_bench.log" ;;
     layer)
       timeout "$(left)" python3 benchmarks/bench_layer.py --out "$out/layer.json" --profile "$out/layer_profile" \
         > "$out/layer.log" 2>&1
