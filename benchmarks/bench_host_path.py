@@ -10,6 +10,9 @@ calls run the launch cache's key, lookup, argument and grid work up to ``compile
 no-op. Its host time is the eager forward's host path with the launch path's own cost included (all but Triton's C
 launcher and the driver). The interpreter is taken as off there (no kernel runs either way).
 
+A third (the ``+plan`` columns, layers only) is the second with ``MOE_EP_FORWARD_PLAN`` on: the forward replayed
+from its recording (``moe_ep/forward_plan.py``), each kept launch again ending in the stand-in's no-op.
+
 It runs anywhere (CPU included; no kernel runs, so the outputs are garbage and never read) and is the proxy for
 the eager host time that ``benchmarks/bench_layer.py`` measures on a GPU: the Python part of it, which is what
 the layer's own code decides. Small shapes keep the torch ops' own work out of the way.
@@ -30,9 +33,9 @@ import time
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, fused_moe
+from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, fused_moe, options
 from moe_ep.commands.timing import time_host
 from moe_ep.kernels import launch_cache
 from moe_ep.testing.stand_in_triton import StandInCompiled, stand_in_triton
@@ -72,9 +75,10 @@ class _Launches:
         while f is not None and f.f_code.co_name not in _ENTRY_POINTS:
             f, depth = f.f_back, depth + 1
         self.depths.append(depth if f is not None else -1)
-        for a in args:
-            if type(a) is torch.Tensor and a.dtype is torch.int32:
-                a.fill_(-1)
+        with _disable_current_modes():  # (a recording forward's dispatch mode does not see the stand-in's fills)
+            for a in args:
+                if type(a) is torch.Tensor and a.dtype is torch.int32:
+                    a.fill_(-1)
         if self.counter is not None:
             self.counter.paused = False
         self.own_s += time.thread_time() - t0
@@ -187,8 +191,16 @@ def measure(case, args) -> dict:
         launch_calls, launch_host = _time_and_count(fwd, launches, counter, args)
         if args.profile:
             _profile(fwd, args, name + "+launch")
+    plan_calls = plan_host = float("nan")
+    if case != "fused_moe":  # a layer: its forward replayed from a recording (forward_plan.py), launches kept as above
+        with _LaunchPath(launches), options.override(forward_plan=True):
+            fwd()  # (the first forward of the signature runs as it is; _time_and_count's warm-up one records)
+            plan_calls, plan_host = _time_and_count(fwd, launches, counter, args)
+            if args.profile:
+                _profile(fwd, args, name + "+plan")
     return {"case": name, "tokens": B, "python_calls": calls, "host_us": host * 1e6,
             "launch_python_calls": launch_calls, "launch_host_us": launch_host * 1e6,
+            "plan_python_calls": plan_calls, "plan_host_us": plan_host * 1e6,
             "aten_ops": sum(ops.count.values()), "launches": len(depths), "launch_depths": depths,
             "aten_detail": dict(ops.count.most_common())}
 
@@ -228,13 +240,13 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
     print(f"{'case':<18}{'tokens':>7}{'py calls':>10}{'host us':>10}{'+launch calls':>15}{'+launch us':>12}"
-          f"{'aten ops':>10}{'launches':>10}  call depth")
+          f"{'+plan calls':>13}{'+plan us':>10}{'aten ops':>10}{'launches':>10}  call depth")
     for r in results:
         d = r["launch_depths"]
         depth = f"{min(d)}-{max(d)}" if d else "-"
         print(f"{r['case']:<18}{r['tokens']:>7}{r['python_calls']:>10.0f}{r['host_us']:>10.1f}"
-              f"{r['launch_python_calls']:>15.0f}{r['launch_host_us']:>12.1f}{r['aten_ops']:>10}{r['launches']:>10}"
-              f"  {depth}")
+              f"{r['launch_python_calls']:>15.0f}{r['launch_host_us']:>12.1f}{r['plan_python_calls']:>13.0f}"
+              f"{r['plan_host_us']:>10.1f}{r['aten_ops']:>10}{r['launches']:>10}  {depth}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 I 2048, top-8; LL at 128 tokens, HT at 4096 tokens, every layout.
 
 Per stage (dispatch, bridge, GEMM1, GEMM2, combine) in microseconds (CUDA events), the whole forward,
-its host overhead (CPU time to enqueue one forward), the same for the layer's CUDA-graph mode
+its host overhead (CPU time to enqueue one forward), the same with the forward replayed from its recording
+(``MOE_EP_FORWARD_PLAN``, ``moe_ep/forward_plan.py``; its output checked equal to the eager one), the same for
+the layer's CUDA-graph mode
 (``cuda_graph=True``: inputs copied into the graph's buffers, or filled in place), and the bridge's steps
 (gather bandwidth, route, unpermute-reduce; device time, graph-timed) against a device copy of the same
 bytes and against the torch version of the same step, all measured in this run. The short table is printed
@@ -26,7 +28,7 @@ import moe_ep  # noqa: F401  (before triton)
 import torch
 import triton
 
-from moe_ep import EpConfig, ExpertWeights, MoEEpLayer
+from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, options
 from moe_ep.commands.timing import time_graph, time_host_idle, time_loop
 from moe_ep.kernels import grouped_gemm
 from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
@@ -91,6 +93,14 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     t_fwd = time_loop(fwd)
     r = {"case": f"{alg}/{layout}", "tokens": B, "forward_us": t_fwd.device * 1e6, "host_us": t_fwd.host * 1e6,
          "host_idle_us": time_host_idle(fwd) * 1e6}
+    eager = fwd().clone()
+    with options.override(forward_plan=True):  # the same forward replayed from its recording (forward_plan.py)
+        fwd()  # the signature's first forward: as it is
+        fwd()  # recorded
+        t_plan = time_loop(fwd)
+        r.update(plan_forward_us=t_plan.device * 1e6, plan_host_us=t_plan.host * 1e6,
+                 plan_host_idle_us=time_host_idle(fwd) * 1e6, plan_failure=layer._plans.last_failure,
+                 plan_matches_eager=bool(torch.equal(fwd(), eager)))
     if args.profile:  # where the host time of an eager forward goes: host syncs, then functions by own time
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as syncs:
@@ -208,14 +218,16 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
     cols = ["dispatch_us", "bridge_us", "gemm1_us", "gemm2_us", "combine_us", "forward_us", "host_us", "host_idle_us",
-            "graph_forward_us", "graph_host_us", "graph_inplace_host_us", "graph_replay_host_us", "weight_floor_us",
-            "flop_floor_us"]
+            "plan_host_us", "plan_host_idle_us", "graph_forward_us", "graph_host_us", "graph_inplace_host_us",
+            "graph_replay_host_us", "weight_floor_us", "flop_floor_us"]
     heads = [c.replace("_us", "").replace("graph_", "g.").replace("inplace_", "inpl.").replace("replay_", "rpl.")
              for c in cols]
     print(f"\n{'case':<16}{'tok':>6}" + "".join(f"{h:>12}" for h in heads) + "   (us)")
     for r in results[1:]:
         print(f"{r['case']:<16}{r['tokens']:>6}" + "".join(f"{r.get(c, float('nan')):>12.1f}" for c in cols)
-              + ("" if r["graph_matches_eager"] else "   graph != eager (!)"))
+              + ("" if r["graph_matches_eager"] else "   graph != eager (!)")
+              + ("" if r["plan_matches_eager"] else "   replay != eager (!)")
+              + (f"   not recorded: {r['plan_failure']}" if r["plan_failure"] else ""))  # (the why of a failed one)
     print(f"launch floor (host us): empty Triton kernel {results[0]['triton_launch_host_us']:.1f}, "
           f"torch op {results[0]['torch_op_host_us']:.1f}")
     print(f"\n{'bridge (GB/s, us)':<16}{'gather':>10}{'copy':>10}{'torch':>10}{'route':>10}{'torch':>10}"

@@ -9,10 +9,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import rank_agreement
+from . import options, rank_agreement
 from .compute import expert_compute, kept_routes
 from .config import MAX_INT32, EpConfig, Format
 from .errors import MoEEpConcurrentUseError, MoEEpConfigError, MoEEpError, MoEEpPeerError, check, fail
+from .forward_plan import ForwardPlans
 from .transports import TRANSPORTS, make_transport
 from .transports.base import group_rank_world
 from .transports.discovery import require_transport
@@ -194,6 +195,9 @@ class MoEEpLayer(torch.nn.Module):
         self._map_ids = self.transport.name != "torch"
         # where the layout's compute routes the picks, its route buffers are kept between forwards (no torch op each)
         self._routes = kept_routes(config, self.world_size, weights.device)
+        # eager forwards replayed from a recording per input signature (MOE_EP_FORWARD_PLAN), where the transport's
+        # work is all kernels and torch ops of this process (forward_plan.py)
+        self._plans = ForwardPlans() if getattr(self.transport, "replayable", False) else None
         if cuda_graph:
             check(self.transport.graph_capturable,
                   f"cuda_graph=True with transport {self.transport.name!r}, {config.algorithm.value}, world size",
@@ -278,6 +282,9 @@ class MoEEpLayer(torch.nn.Module):
                 return self._graphs(hidden_states, topk_idx, topk_weights)
             # ids unchecked (validate off, or a capture) -> mapped for transports that need it (_run)
             map_ids = self._map_ids and (not v or _capturing(hidden_states))
+            if self._plans is not None and options.current().forward_plan and not _capturing(hidden_states):
+                return self._plans.run(lambda h, i, w: self._run(h, i, w, map_ids),
+                                       (hidden_states, topk_idx, topk_weights), (map_ids, self.weights))
             return self._run(hidden_states, topk_idx, topk_weights, map_ids)
         finally:
             self._busy.release()

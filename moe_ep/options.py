@@ -15,6 +15,9 @@ variable                    field                 values
                                                   this bucket on, ragged FP8 GEMMs run the Gluon fast path where it
                                                   is verified (``grouped_gemm/gluon_fp8.py``)
 ``MOE_EP_CONFIG_DIR``       ``config_dir``        a folder searched for tuned configs first (``None``: unset)
+``MOE_EP_FORWARD_PLAN``     ``forward_plan``      bool: a layer at world size 1 over the portable transport replays
+                                                  its eager forward's recorded launches (``forward_plan.py``);
+                                                  default off until its GPU tests have run
 ==========================  ====================  ===================================================================
 
 One field comes from the environment without a ``MOE_EP_`` variable of its own: ``user_config_dir``, the user's
@@ -60,12 +63,14 @@ class Options:
     gemm_chain: bool = True
     gluon_fp8_min_m: int | None = DEFAULT_GLUON_FP8_MIN_M
     config_dir: str | None = None
+    forward_plan: bool = False
     user_config_dir: str | None = None  # set by parse(); not overridable (it is no MOE_EP_ option)
 
 
 ENV = {"autotune": "MOE_EP_AUTOTUNE", "autotune_quick": "MOE_EP_AUTOTUNE_QUICK",
        "decoded_min_m": "MOE_EP_DECODED_MIN_M", "gemm_chain": "MOE_EP_GEMM_CHAIN",
-       "gluon_fp8_min_m": "MOE_EP_GLUON_FP8_MIN_M", "config_dir": "MOE_EP_CONFIG_DIR"}
+       "gluon_fp8_min_m": "MOE_EP_GLUON_FP8_MIN_M", "config_dir": "MOE_EP_CONFIG_DIR",
+       "forward_plan": "MOE_EP_FORWARD_PLAN"}
 """Field name -> environment variable."""
 
 
@@ -106,7 +111,7 @@ def _path(name: str, value) -> str | None:
 
 
 _PARSE = {"autotune": _bool, "autotune_quick": _bool, "decoded_min_m": _min_m, "gemm_chain": _bool,
-          "gluon_fp8_min_m": _min_m, "config_dir": _path}
+          "gluon_fp8_min_m": _min_m, "config_dir": _path, "forward_plan": _bool}
 
 
 def parse(env=None) -> Options:

@@ -26,6 +26,7 @@ argument dict and evaluates nothing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -160,16 +161,16 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
     # anything watching launches (a profiler's launch hooks, a JIT pre-run hook): Triton launches (written out here,
     # not as a function: this runs on every launch)
-    if INTERPRETER or (enter is not None and (type(enter) is not HookChain or enter.calls)) or \
-            (exit_ is not None and (type(exit_) is not HookChain or exit_.calls)) or info.jit.pre_run_hooks or \
-            getattr(rt, "add_stages_inspection_hook", None) is not None:
-        return _through_triton(info, kernel, grid, args, kwargs)[0]
+    if INTERPRETER or (enter is not None and (type(enter) is not HookChain or (enter.calls and not _recording_hook(
+            enter)))) or (exit_ is not None and (type(exit_) is not HookChain or exit_.calls)) or \
+            info.jit.pre_run_hooks or getattr(rt, "add_stages_inspection_hook", None) is not None:
+        return _not_kept(info, kernel, grid, args, kwargs, "a launch hook or the interpreter")
     types = tuple(map(type, args))
     key_of = info.key_functions.get(types)
     if key_of is None:
         key_of = info.key_functions[types] = _key_function(types, info.value_positions)
     if key_of is _UNKNOWN:
-        return _through_triton(info, kernel, grid, args, kwargs)[0]
+        return _not_kept(info, kernel, grid, args, kwargs, "an argument type the key does not know")
     drv = _driver()
     device = drv.get_current_device()
     knobs = triton.knobs
@@ -178,8 +179,10 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
                tuple(kwargs.items()) if kwargs_items is None else kwargs_items)
         entry = info.entries.get(key)
     except (TypeError, ValueError):  # an unhashable keyword argument, a tensor without storage
-        return _through_triton(info, kernel, grid, args, kwargs)[0]
+        return _not_kept(info, kernel, grid, args, kwargs, "an unhashable key")
     if entry is None:
+        if _recording is not None:
+            _recording.fail("a first launch of a key")
         return _first_call(info, kernel, grid, args, kwargs, key)
     # a BlockGrid of an autotuned kernel reads the kept config alone
     block_grid = type(grid) is BlockGrid and entry.config_kwargs is not None
@@ -192,15 +195,60 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     # without heuristics one variant per key; else per their values (another one: Triton compiles that variant)
     kept = entry.compiled.get(() if info.heuristics is None else _heuristic_values(info, full))
     if kept is None:
+        if _recording is not None:
+            _recording.fail("a first launch of a heuristics variant")
         return _first_call(info, kernel, grid, args, kwargs, key)
     if entry.pre_hook is not None:
+        if _recording is not None:
+            _recording.fail("a config pre-hook (host code per launch)")
         entry.pre_hook(full)
     run, function, metadata, tail = kept
     g = grid(entry.config_kwargs) if block_grid else grid(full) if callable(grid) else grid
     n = len(g)
-    run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, drv.get_current_stream(device), function, metadata,
-        None, None, None, *args, *tail)
+    g = (g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1)
+    if _recording is not None:
+        _recording.launch(run, g, function, metadata, args, tail)
+    run(*g, drv.get_current_stream(device), function, metadata, None, None, None, *args, *tail)
     return entry.config
+
+
+_recording = None  # the forward being recorded (forward_plan._Recording), while one is
+
+
+def _recording_hook(chain: HookChain) -> bool:
+    """Whether a launch-enter hook chain holds only the recording's own hook (it watches launches made through
+    Triton, not the kept ones)."""
+    return _recording is not None and chain.calls == [_recording.triton_launch]
+
+
+@contextlib.contextmanager
+def recording(rec):
+    """While entered, kept launches are reported to ``rec.launch(run, grid, function, metadata, args, tail)`` and
+    every other launch (through Triton: first calls, hooks, kernels launched outside this module) fails the recording
+    (``rec.fail(why)``; ``rec.triton_launch`` is installed as a launch-enter hook to see the last kind)."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("a forward is being recorded already")
+    hook = triton.knobs.runtime.launch_enter_hook
+    chained = type(hook) is HookChain
+    if not chained:  # someone's own hook: every launch goes through Triton
+        rec.fail("a launch hook")
+    _recording = rec
+    if chained:
+        hook.add(rec.triton_launch)
+    try:
+        yield rec
+    finally:
+        if chained:
+            hook.remove(rec.triton_launch)
+        _recording = None
+
+
+def _not_kept(info, kernel, grid, args, kwargs, why: str):
+    """A launch through Triton, not a kept one (``why``): it fails a recording."""
+    if _recording is not None:
+        _recording.fail(why)
+    return _through_triton(info, kernel, grid, args, kwargs)[0]
 
 
 def _driver():

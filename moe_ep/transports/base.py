@@ -19,6 +19,7 @@ class Transport(Protocol):
 
     name: str
     graph_capturable: bool  # dispatch + combine run with no host sync (MoEEpLayer(cuda_graph=True) needs it)
+    replayable: bool  # dispatch + combine are kernels and torch ops of this process alone (forward_plan.py)
 
     def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> DispatchResult:

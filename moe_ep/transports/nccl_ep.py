@@ -129,6 +129,7 @@ class NcclEpTransport:
         self.kind = result_type(c)   # the layout's result type: its receive buffers, who applies the weights
         self.ht = c.algorithm is Algorithm.HIGH_THROUGHPUT
         self.graph_capturable = not self.ht  # LL: captured and replayed in tests (1 and 2 ranks); HT: not verified
+        self.replayable = False  # the library moves the tokens (forward_plan.py records torch ops and kernels alone)
         self.fp4 = c.activation_format is Format.NVFP4
         fp8 = c.activation_format is Format.FP8
         self.fp8_ds = fp8 and not self.ht     # LL: the library's DS_FP8E3M4 recipe quantizes bf16 rows

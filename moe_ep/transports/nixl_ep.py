@@ -89,6 +89,7 @@ class NixlEpTransport:
 
     name = "nixl_ep"
     graph_capturable = True  # LL: captured and replayed in tests (1 and 2 ranks)
+    replayable = False  # the library moves the tokens (forward_plan.py records torch ops and kernels alone)
 
     def __init__(self, config: EpConfig, group=None, *, nixl=None, store=None, rank: int | None = None,
                  world_size: int | None = None, device=None):

@@ -56,6 +56,7 @@ class TorchDistTransport:
         self.config, self.group = config, group
         self.rank, self.world = group_rank_world(group)
         self.graph_capturable = self.world == 1  # with more ranks the split sizes go through the host
+        self.replayable = self.world == 1  # no collective, no host sync: kernels and torch ops alone
         self.L = config.local_experts(self.world)
         self.device = torch.device(device) if device is not None else kernel_device()
         self.nvfp4 = config.activation_format is Format.NVFP4

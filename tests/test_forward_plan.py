@@ -1,0 +1,273 @@
+"""The eager forward replayed from a recording (``moe_ep/forward_plan.py``, ``MOE_EP_FORWARD_PLAN``).
+
+On the CPU, below the launch cache Triton is stood in for (``moe_ep.testing.stand_in_triton``): no kernel runs, but
+every launch the forward makes reaches the stand-in with its grid and arguments, so a replay's launches can be
+compared with the ones the forward itself makes on the same new inputs, argument by argument. On a GPU (marked
+``gpu``) the replayed layer's outputs are compared with the layer's own, bit for bit."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, options
+from moe_ep.forward_plan import ForwardPlan, ForwardPlans, signature
+from moe_ep.kernels import launch_cache
+from moe_ep.testing.stand_in_triton import StandInCompiled, stand_in_triton
+
+LAYOUTS = [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]
+E, K, H, I, T = 8, 2, 64, 32, 4
+
+
+class _Launches:
+    """The stand-in's launches: (kernel, grid x, values) each, in order."""
+
+    def __init__(self):
+        self.log = []
+        self.compiled = {}
+
+    def through_triton(self, info, kernel, grid, args, kwargs):
+        self.log.append((kernel, None, args))
+        c = self.compiled.get(id(kernel))
+        if c is None:
+            c = self.compiled[id(kernel)] = StandInCompiled(
+                lambda gx, values, k=kernel: self.log.append((k, gx, values)))
+        return (kernel.configs[0] if info.autotuner is not None else None), c
+
+    def take(self, fn):
+        self.log.clear()
+        out = fn()
+        return out, list(self.log)
+
+
+def _inputs(seed, B=T):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)])
+    return x, idx, torch.rand(B, K, generator=g)
+
+
+def _layer(alg, layout, weight_format="bf16", activation_format="bf16"):
+    g = torch.Generator().manual_seed(1)
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6, weight_format)
+    return MoEEpLayer(EpConfig(E, K, H, I, T, alg, layout, weight_format, activation_format), w)
+
+
+def _plans(layer):
+    return [p for p in layer._plans.plans.values() if type(p) is ForwardPlan]
+
+
+@pytest.mark.parametrize("formats", [("bf16", "bf16"), ("nvfp4", "bf16"), ("bf16", "nvfp4"), ("fp8", "fp8")],
+                         ids=lambda f: "-".join(f))
+@pytest.mark.parametrize("alg,layout", LAYOUTS)
+def test_a_replay_launches_what_the_forward_launches_on_new_inputs(alg, layout, formats):
+    """Recorded on one batch, replayed on another of the same signature: the same kernels with the same grids and
+    values, the new inputs where the forward itself passes them, the same kept buffers and weights, and new tensors
+    (the forward's own allocations) of the same dtype, shape and strides everywhere else."""
+    launches = _Launches()
+    a, b = _inputs(2), _inputs(3)
+    with stand_in_triton(launches.through_triton):
+        layer = _layer(alg, layout, *formats)
+        layer(*a, validate=False)  # first launches: kept kernels, kept buffers
+        layer(*a, validate=False)
+        out_ref, ref = launches.take(lambda: layer(*b, validate=False))
+        with options.override(forward_plan=True):
+            layer(*a, validate=False)  # the signature's first forward: as it is
+            layer(*a, validate=False)  # recorded
+            assert layer._plans.last_failure is None and len(_plans(layer)) == 1
+            out, got = launches.take(lambda: layer(*b, validate=False))  # replayed
+    assert [(k, gx) for k, gx, _ in got] == [(k, gx) for k, gx, _ in ref] and all(gx is not None for _, gx, _ in got)
+    inputs = {id(t) for t in b}
+    for (kernel, _, want), (_, _, have) in zip(ref, got):
+        assert len(have) == len(want), kernel
+        for i, (w, h) in enumerate(zip(want, have)):
+            where = f"{getattr(kernel, '__name__', kernel)} argument {i}"
+            if isinstance(w, torch.Tensor):
+                if id(w) in inputs or w.data_ptr() in {t.data_ptr() for t in b}:
+                    assert h.data_ptr() == w.data_ptr(), where  # the new batch's own tensor (or a view of it)
+                assert (h.dtype, h.shape, h.stride()) == (w.dtype, w.shape, w.stride()), where
+            else:
+                assert type(h) is type(w) and h == w, where
+    assert (out.dtype, out.shape) == (out_ref.dtype, out_ref.shape)
+
+
+def test_kept_tensors_are_the_forwards_own_and_new_ones_are_new():
+    """A replay passes the layer's kept buffers and weights themselves, and fresh tensors where the forward allocates
+    (never the recording's, which a caller may still hold)."""
+    launches = _Launches()
+    a, b = _inputs(2), _inputs(3)
+    with stand_in_triton(launches.through_triton), options.override(forward_plan=True):
+        layer = _layer("ll", "expert_major")
+        layer(*a, validate=False)
+        out_a, rec = launches.take(lambda: layer(*a, validate=False))
+        out_b, rep = launches.take(lambda: layer(*b, validate=False))
+    assert out_b is not out_a and out_b.data_ptr() != out_a.data_ptr()
+    weights = {layer.weights.w13.data_ptr(), layer.weights.w2.data_ptr()}
+    seen_weights = 0
+    for (_, _, r), (_, _, p) in zip(rec, rep):
+        for u, v in zip(r, p):
+            if isinstance(u, torch.Tensor) and u.data_ptr() in weights:
+                assert v is u
+                seen_weights += 1
+    assert seen_weights == 2  # GEMM1 and GEMM2
+
+
+def test_a_new_signature_is_recorded_apart_and_the_old_plan_is_not_used_for_it():
+    launches = _Launches()
+    with stand_in_triton(launches.through_triton), options.override(forward_plan=True):
+        layer = _layer("ht", "flat")
+        for _ in range(3):
+            layer(*_inputs(2), validate=False)
+        assert len(_plans(layer)) == 1
+        small = _inputs(4, B=3)
+        with options.override(forward_plan=False):
+            layer(*small, validate=False)
+            _, want = launches.take(lambda: layer(*small, validate=False))
+        _, got = launches.take(lambda: layer(*small, validate=False))  # a new signature: runs as it is
+        assert len(_plans(layer)) == 1
+        assert [(k, gx, len(v)) for k, gx, v in got] == [(k, gx, len(v)) for k, gx, v in want]
+        layer(*small, validate=False)  # recorded
+        _, replayed = launches.take(lambda: layer(*small, validate=False))
+        assert len(_plans(layer)) == 2
+        assert [(k, gx) for k, gx, _ in replayed] == [(k, gx) for k, gx, _ in want]
+
+
+def test_the_signature_holds_metadata_alignment_options_and_flags():
+    with stand_in_triton(_Launches().through_triton):  # (its driver: the current device)
+        _check_signature()
+
+
+def _check_signature():
+    x, idx, w = _inputs(2)
+    base = signature((x, idx, w), (False,))
+    assert signature(_inputs(3), (False,)) == base  # other values, same metadata
+    assert signature((x, idx, w), (True,)) != base
+    assert signature((x.float(), idx, w), (False,)) != base
+    assert signature((x[:2], idx[:2], w[:2]), (False,)) != base
+    assert signature((x.t().contiguous().t(), idx, w), (False,)) != base  # strides
+    wide = torch.zeros(T * H + 1, dtype=torch.bfloat16)
+    assert signature((wide[1:].view(T, H), idx, w), (False,)) != signature((wide[:-1].view(T, H), idx, w), (False,))
+    with options.override(gemm_chain=False):
+        assert signature((x, idx, w), (False,)) != base
+
+
+@triton.jit
+def _probe_kernel(x_ptr, n):
+    tl.store(x_ptr + tl.arange(0, 16), tl.zeros([16], tl.float32) + n)
+
+
+def _record_twice(forward, *inputs):
+    """ForwardPlans over ``forward``: the signature's first call, then the recorded one; the plans."""
+    plans = ForwardPlans()
+    for _ in range(2):
+        plans.run(forward, inputs, ())
+    return plans
+
+
+@pytest.mark.parametrize("fault", ["host read", "data-dependent shape", "launch through Triton", "first launch"])
+def test_a_forward_that_cannot_be_replayed_is_not_recorded_and_runs_as_it_is(fault):
+    """A host read of device values, an op whose output shape depends on them, a launch made through Triton (here:
+    a kernel launched outside the launch cache) or a launch-cache key met for the first time: no plan, and every
+    later forward runs the forward itself (its results are its own, not a replay's)."""
+    launches = _Launches()
+    calls = []
+    n = [1]
+
+    def forward(x):
+        calls.append(1)
+        y = x * 2
+        if fault == "host read":
+            y = y + float(x.sum().item())
+        elif fault == "data-dependent shape":
+            y = y[: int(torch.nonzero(x > 0).shape[0])]
+        elif fault == "launch through Triton":
+            _probe_kernel[(1,)](y, 3)
+        else:
+            n[0] = 16 * (n[0] + 1)  # a new multiple of 16 -> 1: another specialization each call
+            launch_cache.launch(_probe_kernel, (1,), y, n[0] if len(calls) % 2 else 1)
+        return y
+
+    x = torch.ones(16)
+    with stand_in_triton(launches.through_triton):
+        if fault == "launch through Triton":  # (a stand-in for Triton's JIT launch, calling the launch hook as it does)
+            hook = triton.knobs.runtime.launch_enter_hook
+            _probe_kernel.run = lambda *a, **k: hook(None)
+        try:
+            plans = _record_twice(forward, x)
+            assert not [p for p in plans.plans.values() if type(p) is ForwardPlan], fault
+            assert plans.last_failure, fault
+            before = len(calls)
+            plans.run(forward, (x,), ())
+            assert len(calls) == before + 1  # the forward itself ran
+        finally:
+            if fault == "launch through Triton":
+                del _probe_kernel.run
+
+
+def test_a_replayable_forward_records_and_replays_its_ops():
+    launches = _Launches()
+    calls = []
+
+    def forward(x):
+        calls.append(1)
+        y = torch.empty_like(x)
+        launch_cache.launch(_probe_kernel, (1,), y, 7)
+        return (y.view(4, 4) + x.view(4, 4)).clamp(-1, 1)
+
+    with stand_in_triton(launches.through_triton):
+        plans = _record_twice(forward, torch.ones(16))
+        assert plans.last_failure is None and len(calls) == 2
+        x = torch.full((16,), 0.25)
+        out, log = launches.take(lambda: plans.run(forward, (x,), ()))
+    assert len(calls) == 2  # replayed, the forward not called
+    assert [(k, gx) for k, gx, _ in log] == [(_probe_kernel, 1)] and log[0][2][1] == 7
+    assert out.shape == (4, 4)  # (the stand-in wrote nothing: y's values are garbage, out is finite or not)
+
+
+def test_off_by_default_and_on_the_interpreter_the_forward_is_its_own():
+    """Without the option nothing is recorded; with it, on Triton's interpreter (no kept launches) every forward runs
+    as it is and gives the layer's results."""
+    layer = _layer("ll", "expert_major")
+    a = _inputs(2)
+    want = layer(*a, validate=False)
+    assert not layer._plans.plans
+    with options.override(forward_plan=True):
+        for _ in range(3):
+            got = layer(*a, validate=False)
+            assert torch.equal(got, want)
+    if launch_cache.INTERPRETER:
+        assert not _plans(layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("formats", [("bf16", "bf16"), ("nvfp4", "bf16"), ("bf16", "nvfp4"), ("fp8", "fp8")],
+                         ids=lambda f: "-".join(f))
+@pytest.mark.parametrize("alg,layout", LAYOUTS)
+def test_replayed_layer_equals_the_layer_on_the_gpu(alg, layout, formats):
+    """Every layout and format at world size 1 on cuda: forwards replayed from the recording on new batches (and on
+    the recorded batch again) equal the layer's own forwards bit for bit, with a plan recorded."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    Ed, Kd, Hd, Id, Td = 16, 4, 256, 128, 64
+    wf, af = formats
+    w = ExpertWeights(torch.randn(Ed, 2 * Id, Hd, device=dev, generator=g) / Hd ** 0.5,
+                      torch.randn(Ed, Hd, Id, device=dev, generator=g) / Id ** 0.5, wf)
+    layer = MoEEpLayer(EpConfig(Ed, Kd, Hd, Id, Td, alg, layout, wf, af), w)
+
+    def batch(B):
+        x = torch.randn(B, Hd, device=dev, generator=g).bfloat16()
+        idx = torch.rand(B, Ed, device=dev, generator=g).topk(Kd, dim=1).indices
+        idx[::7, 0] = -1
+        return x, idx, torch.rand(B, Kd, device=dev, generator=g)
+
+    for B in (Td, 37):
+        batches = [batch(B) for _ in range(4)]
+        want = [layer(*b).clone() for b in batches]
+        with options.override(forward_plan=True):
+            got = [layer(*b).clone() for b in batches + batches[:1]]
+            assert layer._plans.last_failure is None
+        torch.cuda.synchronize()
+        for i, (o, e) in enumerate(zip(got, want + want[:1])):
+            assert torch.equal(o, e), (B, i, (o.float() - e.float()).abs().max().item())
+    assert len(_plans(layer)) == 2
