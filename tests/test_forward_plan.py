@@ -271,3 +271,45 @@ def test_replayed_layer_equals_the_layer_on_the_gpu(alg, layout, formats):
         for i, (o, e) in enumerate(zip(got, want + want[:1])):
             assert torch.equal(o, e), (B, i, (o.float() - e.float()).abs().max().item())
     assert len(_plans(layer)) == 2
+
+
+def test_forwards_on_two_threads_record_only_their_own_launches():
+    """Two layers forwarding at once on two threads (one recording at a time in a process; a launch reaches only
+    the recording of its own thread): afterwards each layer's replay launches what its own forward launches."""
+    import threading
+    launches = _Launches()
+    cases = [("ll", "expert_major"), ("ht", "flat")]
+    with stand_in_triton(launches.through_triton):
+        layers = [_layer(*c) for c in cases]
+        batches = [_inputs(5), _inputs(6)]
+        want = []
+        for layer, b in zip(layers, batches):
+            layer(*b, validate=False)
+            want.append([(k, gx) for k, gx, _ in launches.take(lambda: layer(*b, validate=False))[1]])
+        errors = []
+        start = threading.Barrier(2)
+
+        def run(layer, b):
+            try:
+                start.wait()
+                for _ in range(40):
+                    layer(*b, validate=False)
+            except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+                errors.append(e)
+
+        with options.override(forward_plan=True):
+            threads = [threading.Thread(target=run, args=(layer, b)) for layer, b in zip(layers, batches)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors
+            # a forward that found the other thread recording ran as it is: at least one layer recorded meanwhile
+            recorded = [bool(_plans(layer)) for layer in layers]
+            assert any(recorded), [layer._plans.last_failure for layer in layers]
+            for layer, b, w in zip(layers, batches, want):
+                for _ in range(2):  # (a layer that never got to record: now, alone)
+                    layer(*b, validate=False)
+                assert _plans(layer), layer._plans.last_failure
+                _, got = launches.take(lambda: layer(*b, validate=False))
+                assert [(k, gx) for k, gx, _ in got] == w
