@@ -247,8 +247,6 @@ class ForwardPlan:
 
     def __init__(self, steps: list, out):
         self.steps, self.out = steps, out
-        self.launches = sum(type(s) is _Launch for s in steps)
-        self.ops = len(steps) - self.launches
 
     def replay(self, inputs: tuple):
         tensors = list(inputs)
@@ -268,7 +266,7 @@ class ForwardPlans:
 
     def __init__(self):
         self.plans: dict = {}  # signature -> ForwardPlan, or the number of recordings tried so far
-        self.last_failure: str | None = None  # why the last recording failed (for tests and `moe-ep info`)
+        self.last_failure: str | None = None  # why the last recording failed, None if it did not (tests, benchmarks)
 
     def run(self, forward, inputs: tuple, extra: tuple):
         if launch_cache.INTERPRETER:  # (no kept launches: nothing to replay)
@@ -296,6 +294,3 @@ class ForwardPlans:
         self.plans[sig] = plan if plan is not None else p + 1
         self.last_failure = rec.failed
         return out
-
-    def clear(self) -> None:
-        self.plans.clear()
