@@ -136,3 +136,20 @@ def test_launch_path_python_calls_stay_bounded(case):
         call()  # first calls through the stand-in "Triton": kept kernels
         calls = _moe_ep_calls(call)
     assert calls <= CALL_BOUNDS[case], f"{calls} Python calls in moe_ep per forward (bound {CALL_BOUNDS[case]})"
+
+
+# The same count for a forward replayed from its recording (MOE_EP_FORWARD_PLAN, moe_ep/forward_plan.py): the
+# layer's input checks, the signature and one call per recorded op and launch.
+PLAN_CALL_BOUNDS = {("ll", "expert_major"): 41, ("ll", "rank_major"): 48, ("ht", "flat"): 41,
+                    ("ht", "expert_major"): 33, ("ll", "rank_major", 3): 49}
+
+
+@pytest.mark.parametrize("case", list(PLAN_CALL_BOUNDS), ids=_id)
+def test_replayed_forward_python_calls_stay_bounded(case):
+    with stand_in_triton(_through_triton), moe_ep.options.override(forward_plan=True):
+        call = _forward(case)
+        call()  # the signature's first forward
+        call()  # recorded
+        calls = _moe_ep_calls(call)
+    bound = PLAN_CALL_BOUNDS[case]
+    assert calls <= bound, f"{calls} Python calls in moe_ep per replay (bound {bound})"
