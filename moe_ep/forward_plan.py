@@ -72,15 +72,17 @@ MAX_PLANS = 32  # per layer: a caller meeting more signatures than this starts o
 _TRIES = 3  # recordings per signature before it keeps running as it is (a failed one may have met a first launch)
 
 
-def signature(inputs: tuple, extra: tuple) -> tuple:
+def signature(inputs: tuple, extra: tuple, opts: options.Options | None = None, device: int | None = None) -> tuple:
     """What a forward's host decisions depend on besides the layer (module doc): each input's metadata, the options,
     the tuned files' versions, the device's plan key, the current device, Triton's knobs, grad / inference mode, and
-    ``extra`` (the forward's own flags)."""
+    ``extra`` (the forward's own flags). ``opts`` / ``device``: the options and the current device (as Triton's
+    driver gives it), when the caller has read them already (None: read here)."""
     parts = [(type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16) for t in inputs]
     knobs = triton.knobs
-    return (*parts, extra, options.current(), tuned_files.file_versions(), device_facts.plan_key(),
-            launch_cache._driver().get_current_device(), knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-            torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    return (*parts, extra, options.current() if opts is None else opts, tuned_files.file_versions(),
+            device_facts.plan_key(), launch_cache._driver().get_current_device() if device is None else device,
+            knobs.runtime.debug, knobs.compilation.instrumentation_mode, torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled())
 
 
 class _Recording(TorchDispatchMode):
@@ -243,15 +245,16 @@ class _Launch:
 
 
 class ForwardPlan:
-    """One recorded forward (module doc): ``replay(inputs)`` enqueues its ops and launches on ``inputs``."""
+    """One recorded forward (module doc): ``replay(inputs, device)`` enqueues its ops and launches on ``inputs``."""
 
     def __init__(self, steps: list, out):
         self.steps, self.out = steps, out
 
-    def replay(self, inputs: tuple):
+    def replay(self, inputs: tuple, device: int):
+        """Enqueue the recording on ``inputs`` on the current stream of ``device`` (the current device); returns the
+        forward's result."""
         tensors = list(inputs)
-        drv = launch_cache._driver()
-        stream = drv.get_current_stream(drv.get_current_device())
+        stream = launch_cache._driver().get_current_stream(device)
         for s in self.steps:
             if type(s) is _Launch:
                 s.run(tensors, stream)
@@ -261,20 +264,21 @@ class ForwardPlan:
 
 
 class ForwardPlans:
-    """A layer's plans, one per forward signature (module doc). ``run(forward, inputs, extra)``: ``forward(*inputs)``,
-    recorded or replayed where it can be."""
+    """A layer's plans, one per forward signature (module doc). ``run(forward, inputs, extra, opts)``:
+    ``forward(*inputs)``, recorded or replayed where it can be (``opts``: the options, if the caller has them)."""
 
     def __init__(self):
         self.plans: dict = {}  # signature -> ForwardPlan, or the number of recordings tried so far
         self.last_failure: str | None = None  # why the last recording failed, None if it did not (tests, benchmarks)
 
-    def run(self, forward, inputs: tuple, extra: tuple):
+    def run(self, forward, inputs: tuple, extra: tuple, opts: options.Options | None = None):
         if launch_cache.INTERPRETER:  # (no kept launches: nothing to replay)
             return forward(*inputs)
-        sig = signature(inputs, extra)
+        device = launch_cache._driver().get_current_device()  # (read once: for the signature and the stream)
+        sig = signature(inputs, extra, opts, device)
         p = self.plans.get(sig)
         if type(p) is ForwardPlan:
-            return p.replay(inputs)
+            return p.replay(inputs, device)
         if len(self.plans) >= MAX_PLANS and p is None:
             self.plans.clear()
         if p is None:  # the first forward of this signature: as it is (it makes the kept buffers, compiles)

@@ -282,9 +282,11 @@ class MoEEpLayer(torch.nn.Module):
                 return self._graphs(hidden_states, topk_idx, topk_weights)
             # ids unchecked (validate off, or a capture) -> mapped for transports that need it (_run)
             map_ids = self._map_ids and (not v or _capturing(hidden_states))
-            if self._plans is not None and options.current().forward_plan and not _capturing(hidden_states):
-                return self._plans.run(lambda h, i, w: self._run(h, i, w, map_ids),
-                                       (hidden_states, topk_idx, topk_weights), (map_ids, self.weights))
+            if self._plans is not None:
+                opts = options.current()  # (read once: the plan's signature holds them too)
+                if opts.forward_plan and not _capturing(hidden_states):
+                    return self._plans.run(lambda h, i, w: self._run(h, i, w, map_ids),
+                                           (hidden_states, topk_idx, topk_weights), (map_ids, self.weights), opts)
             return self._run(hidden_states, topk_idx, topk_weights, map_ids)
         finally:
             self._busy.release()

@@ -164,13 +164,13 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     if INTERPRETER or (enter is not None and (type(enter) is not HookChain or (enter.calls and not _recording_hook(
             enter)))) or (exit_ is not None and (type(exit_) is not HookChain or exit_.calls)) or \
             info.jit.pre_run_hooks or getattr(rt, "add_stages_inspection_hook", None) is not None:
-        return _not_kept(info, kernel, grid, args, kwargs, "a launch hook or the interpreter")
+        return _not_kept(info, kernel, grid, args, kwargs, "a launch hook or the interpreter")[0]
     types = tuple(map(type, args))
     key_of = info.key_functions.get(types)
     if key_of is None:
         key_of = info.key_functions[types] = _key_function(types, info.value_positions)
     if key_of is _UNKNOWN:
-        return _not_kept(info, kernel, grid, args, kwargs, "an argument type the key does not know")
+        return _not_kept(info, kernel, grid, args, kwargs, "an argument type the key does not know")[0]
     drv = _driver()
     device = drv.get_current_device()
     knobs = triton.knobs
@@ -179,10 +179,8 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
                tuple(kwargs.items()) if kwargs_items is None else kwargs_items)
         entry = info.entries.get(key)
     except (TypeError, ValueError):  # an unhashable keyword argument, a tensor without storage
-        return _not_kept(info, kernel, grid, args, kwargs, "an unhashable key")
+        return _not_kept(info, kernel, grid, args, kwargs, "an unhashable key")[0]
     if entry is None:
-        if _recording is not None:
-            _recording.fail("a first launch of a key")
         return _first_call(info, kernel, grid, args, kwargs, key)
     # a BlockGrid of an autotuned kernel reads the kept config alone
     block_grid = type(grid) is BlockGrid and entry.config_kwargs is not None
@@ -195,8 +193,6 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     # without heuristics one variant per key; else per their values (another one: Triton compiles that variant)
     kept = entry.compiled.get(() if info.heuristics is None else _heuristic_values(info, full))
     if kept is None:
-        if _recording is not None:
-            _recording.fail("a first launch of a heuristics variant")
         return _first_call(info, kernel, grid, args, kwargs, key)
     if entry.pre_hook is not None:
         if _recording is not None:
@@ -245,10 +241,10 @@ def recording(rec):
 
 
 def _not_kept(info, kernel, grid, args, kwargs, why: str):
-    """A launch through Triton, not a kept one (``why``): it fails a recording."""
+    """:func:`_through_triton`: a launch through Triton, not a kept one (``why``), which fails a recording."""
     if _recording is not None:
         _recording.fail(why)
-    return _through_triton(info, kernel, grid, args, kwargs)[0]
+    return _through_triton(info, kernel, grid, args, kwargs)
 
 
 def _driver():
@@ -274,7 +270,7 @@ def _through_triton(info: _Kernel, kernel, grid, args, kwargs):
 
 
 def _first_call(info: _Kernel, kernel, grid, args, kwargs, key):
-    config, compiled = _through_triton(info, kernel, grid, args, kwargs)
+    config, compiled = _not_kept(info, kernel, grid, args, kwargs, "a first launch of a key or heuristics variant")
     if not isinstance(compiled, CompiledKernel) or hasattr(compiled, "result"):
         return config  # nothing to keep (Triton 3.6's asynchronous compiles hand back a future)
     full = dict(zip(info.names, args))
