@@ -30,7 +30,7 @@ from moe_ep.kernels.grouped_gemm import gluon_fp8
 from moe_ep.kernels.grouped_gemm import plan as gemm_plan
 from moe_ep.reference import quantize_fp8_ref, swiglu_fp8_ref
 from moe_ep.testing.properties import (assert_fp8_rows_close, check_gluon_fp8_gemm, check_gluon_fp8_swiglu_gemm,
-                                      gluon_fp8_problem, swiglu_amax_error)
+                                      fp8_gemm1_sums, gluon_fp8_problem, swiglu_amax_error)
 from moe_ep.testing.strategies import gluon_fp8_cases
 from moe_ep.triton_runtime import device as kernel_device
 
@@ -72,11 +72,9 @@ def test_fp8_rows_comparison_passes_near_sums_and_fails_a_wrong_rule(rows, cols)
 def _swiglu_with_sum_errors(c: dict, rel: float):
     """The reference's FP8 GEMM1 output of a case with every gate and up sum moved by ``rel`` of its products'
     magnitudes (away from zero: the sign the H200 showed), and the reference's own, quantized alike."""
-    from moe_ep.reference import dequantize_fp8_ref, grouped_gemm_ref
     x8, w8, offsets, (lo, hi), _, h = gluon_fp8_problem(c, "cpu")
-    x, w = dequantize_fp8_ref(x8.data, x8.scales, 1), dequantize_fp8_ref(w8.data, w8.scales, 128, True)
-    sums = grouped_gemm_ref(x, w, offsets=offsets)[lo:hi]
-    moved = sums + rel * sums.sign() * grouped_gemm_ref(x.abs(), w.abs(), offsets=offsets)[lo:hi]
+    sums, magnitudes = fp8_gemm1_sums(x8, w8, offsets, lo, hi)
+    moved = sums + rel * sums.sign() * magnitudes
     gate, up = moved.chunk(2, dim=-1)
     return swiglu_fp8_ref(torch.nn.functional.silu(gate) * up), swiglu_fp8_ref(h), \
         swiglu_amax_error(x8, w8, offsets, lo, hi)

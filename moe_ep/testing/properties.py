@@ -376,17 +376,25 @@ codes (one step in a row of 8 is an eighth of them: seen on the H200), while a w
 saturation) changes about half."""
 
 
+def fp8_gemm1_sums(x8, w8, offsets, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GEMM1's fp32 sums ``x @ w^T`` of rows ``lo:hi`` on the dequantized FP8 operands, the sums of their products'
+    magnitudes ``|x| @ |w|^T``): gate columns then up columns each."""
+    from ..reference import dequantize_fp8_ref, grouped_gemm_ref
+    # (where the operands are, as gluon_fp8_problem's reference: the benchmark shapes' sums are large)
+    x = dequantize_fp8_ref(x8.data, x8.scales, 1)
+    w = dequantize_fp8_ref(w8.data, w8.scales, 128, True)
+    return (grouped_gemm_ref(x, w, offsets=offsets)[lo:hi],
+            grouped_gemm_ref(x.abs(), w.abs(), offsets=offsets)[lo:hi])
+
+
 def swiglu_amax_error(x8, w8, offsets, lo: int, hi: int) -> torch.Tensor:
     """How far each row block's amax of GEMM1's SwiGLU values (rows ``lo:hi``, ``[R, ceil(I / 128)]``) may move
     when its gate and up sums carry an FP8 MMA's error: ``e = FP8_MMA_SUM_EPS * (|x| @ |w|^T)`` per sum
     (:data:`FP8_MMA_SUM_EPS`), to first order ``|silu'(g)| |u| e_g + |silu(g)| e_u`` per value, and an amax moves by
     at most its block's largest such bound."""
-    from ..reference import dequantize_fp8_ref, grouped_gemm_ref
-    # (where the operands are, as gluon_fp8_problem's reference: the benchmark shapes' sums are large)
-    x = dequantize_fp8_ref(x8.data, x8.scales, 1)
-    w = dequantize_fp8_ref(w8.data, w8.scales, 128, True)
-    gate, up = grouped_gemm_ref(x, w, offsets=offsets)[lo:hi].chunk(2, dim=-1)
-    e_gate, e_up = (FP8_MMA_SUM_EPS * grouped_gemm_ref(x.abs(), w.abs(), offsets=offsets)[lo:hi]).chunk(2, dim=-1)
+    sums, magnitudes = fp8_gemm1_sums(x8, w8, offsets, lo, hi)
+    gate, up = sums.chunk(2, dim=-1)
+    e_gate, e_up = (FP8_MMA_SUM_EPS * magnitudes).chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     d_silu = sig * (1 + gate * (1 - sig))
     bound = d_silu.abs() * up.abs() * e_gate + torch.nn.functional.silu(gate).abs() * e_up
