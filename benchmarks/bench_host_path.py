@@ -10,8 +10,9 @@ calls run the launch cache's key, lookup, argument and grid work up to ``compile
 no-op. Its host time is the eager forward's host path with the launch path's own cost included (all but Triton's C
 launcher and the driver). The interpreter is taken as off there (no kernel runs either way).
 
-A third (the ``+plan`` columns, layers only) is the second with ``MOE_EP_FORWARD_PLAN`` on: the forward replayed
-from its recording (``moe_ep/forward_plan.py``), each kept launch again ending in the stand-in's no-op.
+The first two turn ``MOE_EP_FORWARD_PLAN`` off; a third (the ``+plan`` columns, layers only) is the second with it
+on (the default): the forward replayed from its recording (``moe_ep/forward_plan.py``), each kept launch again
+ending in the stand-in's no-op.
 
 It runs anywhere (CPU included; no kernel runs, so the outputs are garbage and never read) and is the proxy for
 the eager host time that ``benchmarks/bench_layer.py`` measures on a GPU: the Python part of it, which is what
@@ -177,17 +178,18 @@ def measure(case, args) -> dict:
     real = launch_cache.launch_kept
     launch_cache.launch_kept = launches
     try:
-        fwd()  # buffers, plans
-        launches.depths.clear()
-        with _AtenOps(counter) as ops:
-            fwd()
-        depths = list(launches.depths)
-        calls, host = _time_and_count(fwd, launches, counter, args)
-        if args.profile:
-            _profile(fwd, args, name)
+        with options.override(forward_plan=False):  # the whole host path on every forward
+            fwd()  # buffers, plans
+            launches.depths.clear()
+            with _AtenOps(counter) as ops:
+                fwd()
+            depths = list(launches.depths)
+            calls, host = _time_and_count(fwd, launches, counter, args)
+            if args.profile:
+                _profile(fwd, args, name)
     finally:
         launch_cache.launch_kept = real
-    with _LaunchPath(launches):
+    with _LaunchPath(launches), options.override(forward_plan=False):
         launch_calls, launch_host = _time_and_count(fwd, launches, counter, args)
         if args.profile:
             _profile(fwd, args, name + "+launch")

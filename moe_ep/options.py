@@ -17,7 +17,7 @@ variable                    field                 values
 ``MOE_EP_CONFIG_DIR``       ``config_dir``        a folder searched for tuned configs first (``None``: unset)
 ``MOE_EP_FORWARD_PLAN``     ``forward_plan``      bool: a layer at world size 1 over the portable transport replays
                                                   its eager forward's recorded launches (``forward_plan.py``);
-                                                  default off until its GPU tests have run
+                                                  on by default
 ==========================  ====================  ===================================================================
 
 One field comes from the environment without a ``MOE_EP_`` variable of its own: ``user_config_dir``, the user's
@@ -63,7 +63,7 @@ class Options:
     gemm_chain: bool = True
     gluon_fp8_min_m: int | None = DEFAULT_GLUON_FP8_MIN_M
     config_dir: str | None = None
-    forward_plan: bool = False
+    forward_plan: bool = True
     user_config_dir: str | None = None  # set by parse(); not overridable (it is no MOE_EP_ option)
 
 

@@ -224,12 +224,16 @@ def test_a_replayable_forward_records_and_replays_its_ops():
     assert out.shape == (4, 4)  # (the stand-in wrote nothing: y's values are garbage, out is finite or not)
 
 
-def test_off_by_default_and_on_the_interpreter_the_forward_is_its_own():
-    """Without the option nothing is recorded; with it, on Triton's interpreter (no kept launches) every forward runs
-    as it is and gives the layer's results."""
+def test_on_by_default_off_records_nothing_and_on_the_interpreter_the_forward_is_its_own():
+    """The option is on by default; turned off, nothing is recorded; on, on Triton's interpreter (no kept launches)
+    every forward runs as it is and gives the layer's results."""
+    assert options.Options().forward_plan
     layer = _layer("ll", "expert_major")
     a = _inputs(2)
-    want = layer(*a, validate=False)
+    with options.override(forward_plan=False):
+        want = layer(*a, validate=False)
+        for _ in range(3):
+            assert torch.equal(layer(*a, validate=False), want)
     assert not layer._plans.plans
     with options.override(forward_plan=True):
         for _ in range(3):
@@ -263,7 +267,8 @@ def test_replayed_layer_equals_the_layer_on_the_gpu(alg, layout, formats):
 
     for B in (Td, 37):
         batches = [batch(B) for _ in range(4)]
-        want = [layer(*b).clone() for b in batches]
+        with options.override(forward_plan=False):
+            want = [layer(*b).clone() for b in batches]
         with options.override(forward_plan=True):
             got = [layer(*b).clone() for b in batches + batches[:1]]
             assert layer._plans.last_failure is None

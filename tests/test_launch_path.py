@@ -93,7 +93,7 @@ def test_eager_forward_ops_and_launches_stay_bounded(monkeypatch, case):
 # Python function calls in moe_ep per eager forward (world size 1, validate=False) with launch_cache's own path up to
 # compiled.run, Triton stood in for below it (benchmarks/bench_host_path.py's +launch columns): each costs host time
 # on every forward (about 1 us at the H200 host's speed). Lower a bound when you remove calls. (The layer's include
-# its read of the options, for MOE_EP_FORWARD_PLAN: off here, so every forward runs the whole host path.)
+# its read of the options, for MOE_EP_FORWARD_PLAN: turned off here, so every forward runs the whole host path.)
 CALL_BOUNDS = {("ll", "expert_major"): 84, ("ll", "rank_major"): 97, ("ht", "flat"): 90, ("ht", "expert_major"): 90,
                "fused_moe": 80, ("ll", "rank_major", 3): 102}
 _MOE_EP = os.path.dirname(moe_ep.__file__)
@@ -131,7 +131,7 @@ def _moe_ep_calls(fn) -> int:
 
 @pytest.mark.parametrize("case", list(CALL_BOUNDS), ids=_id)
 def test_launch_path_python_calls_stay_bounded(case):
-    with stand_in_triton(_through_triton):
+    with stand_in_triton(_through_triton), moe_ep.options.override(forward_plan=False):
         call = _forward(case)
         call()  # first calls through the stand-in "Triton": kept kernels
         calls = _moe_ep_calls(call)

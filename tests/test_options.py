@@ -22,7 +22,8 @@ GOOD = [
     ("MOE_EP_GLUON_FP8_MIN_M", "OFF", "gluon_fp8_min_m", None),
     ("MOE_EP_GLUON_FP8_MIN_M", "", "gluon_fp8_min_m", options.DEFAULT_GLUON_FP8_MIN_M),
     ("MOE_EP_CONFIG_DIR", " /tmp/x ", "config_dir", "/tmp/x"), ("MOE_EP_CONFIG_DIR", "", "config_dir", None),
-    ("MOE_EP_FORWARD_PLAN", "on", "forward_plan", True), ("MOE_EP_FORWARD_PLAN", "", "forward_plan", False),
+    ("MOE_EP_FORWARD_PLAN", "on", "forward_plan", True), ("MOE_EP_FORWARD_PLAN", "", "forward_plan", True),
+    ("MOE_EP_FORWARD_PLAN", "off", "forward_plan", False),
 ]
 BAD = [("MOE_EP_AUTOTUNE", "of"), ("MOE_EP_AUTOTUNE", "2"), ("MOE_EP_AUTOTUNE_QUICK", "quick"),
        ("MOE_EP_GEMM_CHAIN", "disable"), ("MOE_EP_DECODED_MIN_M", "0"), ("MOE_EP_DECODED_MIN_M", "-8"),
