@@ -21,10 +21,11 @@ allocator, 512-byte aligned, and views sit at offsets fixed by shapes; int argum
 buffers) runs as it is; the second is recorded (and runs as it is); from the third on, it replays. A recording fails,
 and the signature keeps running as it is, if anything in it went past the two recorded channels or could differ in a
 replay: a launch through Triton (a first call, an autotune, a launch hook, a kernel launched outside the launch cache:
-seen by a launch hook installed for the recording), a config pre-hook, an aten op outside :data:`_REPLAYABLE` (host
-reads such as ``item`` / ``tolist`` / copies to the host, data-dependent shapes such as ``nonzero``) or one with an
-output off the GPU. A transport that moves data through a library (NCCL-EP, NIXL-EP) or collectives is never
-recorded: the layer asks only a transport that says ``replayable``.
+seen by a launch hook installed for the recording), a config pre-hook other than one that only sets its launch's TMA
+descriptor boxes (``launch_cache.sets_descriptor_boxes``: the recording keeps the descriptors as it left them), an
+aten op outside :data:`_REPLAYABLE` (host reads such as ``item`` / ``tolist`` / copies to the host, data-dependent
+shapes such as ``nonzero``) or one with an output off the GPU. A transport that moves data through a library
+(NCCL-EP, NIXL-EP) or collectives is never recorded: the layer asks only a transport that says ``replayable``.
 
 The replay holds each forward's new tensors until its last launch is enqueued (as the eager forward's locals are),
 and the plan holds the tensors that existed before (kept buffers, weights), which the layer keeps anyway.
@@ -113,9 +114,9 @@ class _Recording(TorchDispatchMode):
             return a if i is None else _Slot(i)
         if isinstance(a, (list, tuple)):
             return type(a)(self._arg(v) for v in a)
-        if isinstance(a, TensorDescriptor):
+        if isinstance(a, TensorDescriptor):  # as the launch takes it: a config's pre-hook may set its box per launch
             i = self.index.get(id(a.base))
-            return a if i is None else _DescriptorSlot(a, i)
+            return _frozen(a) if i is None else _DescriptorSlot(a, i)
         return a
 
     def _outputs(self, out) -> None:
@@ -167,12 +168,19 @@ class _Slot:
         self.i = i
 
 
+def _frozen(d: TensorDescriptor) -> TensorDescriptor:
+    """A copy of ``d`` with its box as it is now (a later launch's pre-hook may set the original's)."""
+    d = copy.copy(d)
+    d.block_shape = list(d.block_shape)
+    return d
+
+
 class _DescriptorSlot:
     """A TMA descriptor argument whose base is the replay's tensor number ``i`` (its box and shape recorded)."""
     __slots__ = ("recorded", "i")
 
     def __init__(self, recorded: TensorDescriptor, i: int):
-        self.recorded, self.i = copy.copy(recorded), i
+        self.recorded, self.i = _frozen(recorded), i
         self.recorded.base = None  # (the recording's tensor: not held past it)
 
     def make(self, tensors: list) -> TensorDescriptor:

@@ -9,13 +9,18 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, options
 from moe_ep.forward_plan import ForwardPlan, ForwardPlans, signature
 from moe_ep.kernels import launch_cache
 from moe_ep.testing.stand_in_triton import StandInCompiled, stand_in_triton
+from moe_ep.triton_runtime import INTERPRETER
 
 LAYOUTS = [("ll", "expert_major"), ("ll", "rank_major"), ("ht", "flat"), ("ht", "expert_major")]
+# The layers below take CPU tensors, which only the interpreter's kernels accept: on a GPU the replayed layer is
+# compared with the layer itself instead (test_replayed_layer_equals_the_layer_on_the_gpu).
+cpu_layers = pytest.mark.skipif(not INTERPRETER, reason="a layer on CPU tensors (the interpreter's machine)")
 E, K, H, I, T = 8, 2, 64, 32, 4
 
 
@@ -57,6 +62,7 @@ def _plans(layer):
     return [p for p in layer._plans.plans.values() if type(p) is ForwardPlan]
 
 
+@cpu_layers
 @pytest.mark.parametrize("formats", [("bf16", "bf16"), ("nvfp4", "bf16"), ("bf16", "nvfp4"), ("fp8", "fp8")],
                          ids=lambda f: "-".join(f))
 @pytest.mark.parametrize("alg,layout", LAYOUTS)
@@ -91,6 +97,7 @@ def test_a_replay_launches_what_the_forward_launches_on_new_inputs(alg, layout, 
     assert (out.dtype, out.shape) == (out_ref.dtype, out_ref.shape)
 
 
+@cpu_layers
 def test_kept_tensors_are_the_forwards_own_and_new_ones_are_new():
     """A replay passes the layer's kept buffers and weights themselves, and fresh tensors where the forward allocates
     (never the recording's, which a caller may still hold)."""
@@ -112,6 +119,7 @@ def test_kept_tensors_are_the_forwards_own_and_new_ones_are_new():
     assert seen_weights == 2  # GEMM1 and GEMM2
 
 
+@cpu_layers
 def test_a_new_signature_is_recorded_apart_and_the_old_plan_is_not_used_for_it():
     launches = _Launches()
     with stand_in_triton(launches.through_triton), options.override(forward_plan=True):
@@ -224,6 +232,7 @@ def test_a_replayable_forward_records_and_replays_its_ops():
     assert out.shape == (4, 4)  # (the stand-in wrote nothing: y's values are garbage, out is finite or not)
 
 
+@cpu_layers
 def test_on_by_default_off_records_nothing_and_on_the_interpreter_the_forward_is_its_own():
     """The option is on by default; turned off, nothing is recorded; on, on Triton's interpreter (no kept launches)
     every forward runs as it is and gives the layer's results."""
@@ -278,6 +287,63 @@ def test_replayed_layer_equals_the_layer_on_the_gpu(alg, layout, formats):
     assert len(_plans(layer)) == 2
 
 
+def _box_hook(nargs):  # a TMA box per config, as the grouped GEMM's set_tma_blocks sets it
+    nargs["x_desc"].block_shape = [nargs["BLOCK"], 16]
+    nargs["w_desc"].block_shape = [nargs["BLOCK"], 16]
+
+
+def _other_hook(nargs):  # host code of any other kind
+    nargs["x_desc"].block_shape = [nargs["BLOCK"], 16]
+
+
+launch_cache.sets_descriptor_boxes(_box_hook)
+
+
+def _descriptor_kernel(hook):
+    @triton.autotune([triton.Config({"BLOCK": 8}, pre_hook=hook)], key=[])
+    @triton.jit
+    def kernel(x_desc, w_desc, n, BLOCK: tl.constexpr):
+        pass
+    return kernel
+
+
+@pytest.mark.parametrize("hook", ["boxes only", "other"])
+def test_a_config_pre_hook_is_recorded_only_where_it_sets_descriptor_boxes(hook):
+    """The grouped GEMM's autotuned TMA configs set their descriptors' boxes in a pre-hook on every launch: declared
+    (launch_cache.sets_descriptor_boxes), the recording keeps each descriptor as the hook left it (one over the
+    forward's tensor made anew on the replay's, one over an older tensor frozen, whatever later launches set on
+    it); any other pre-hook fails the recording."""
+    launches = _Launches()
+    kernel = _descriptor_kernel(_box_hook if hook == "boxes only" else _other_hook)
+    w = torch.zeros(32, 16)
+    w_desc = TensorDescriptor.from_tensor(w, [16, 16])  # over a tensor older than the forward (a weight)
+
+    def forward(x):
+        y = x * 2
+        launch_cache.launch(kernel, (1,), TensorDescriptor.from_tensor(y, [16, 16]), w_desc, 5)
+        return y
+
+    with stand_in_triton(launches.through_triton):
+        for _ in range(2):  # kept from here (the hook runs on the second launch, setting w_desc's box: a new key)
+            launch_cache.launch(kernel, (1,), TensorDescriptor.from_tensor(w, [16, 16]), w_desc, 5)
+        plans = _record_twice(forward, torch.ones(32, 16))
+        if hook == "other":
+            assert not [p for p in plans.plans.values() if type(p) is ForwardPlan]
+            assert "pre-hook" in plans.last_failure
+            return
+        assert plans.last_failure is None
+        w_desc.block_shape = [32, 16]  # (what a launch with another config would leave on it)
+        x = torch.full((32, 16), 3.0)
+        out, log = launches.take(lambda: plans.run(forward, (x,), ()))
+    assert torch.equal(out, x * 2)
+    [(k, gx, values)] = log
+    x_d, w_d, n = values[:3]
+    assert k is kernel and n == 5
+    assert x_d.base.data_ptr() == out.data_ptr() and x_d.block_shape == [8, 16]  # the replay's own tensor
+    assert w_d.base is w and w_d.block_shape == [8, 16]  # the box the hook set when recorded
+
+
+@cpu_layers
 def test_forwards_on_two_threads_record_only_their_own_launches():
     """Two layers forwarding at once on two threads (one recording at a time in a process; a launch reaches only
     the recording of its own thread): afterwards each layer's replay launches what its own forward launches."""

@@ -195,7 +195,7 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     if kept is None:
         return _first_call(info, kernel, grid, args, kwargs, key)
     if entry.pre_hook is not None:
-        if _recording is not None:
+        if _recording is not None and entry.pre_hook not in _BOX_HOOKS:
             _recording.fail("a config pre-hook (host code per launch)")
         entry.pre_hook(full)
     run, function, metadata, tail = kept
@@ -209,6 +209,15 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
 
 
 _recording = None  # the forward being recorded (forward_plan._Recording), while one is
+_BOX_HOOKS: set = set()  # config pre-hooks that set their launch's TMA descriptor boxes and nothing else
+
+
+def sets_descriptor_boxes(hook):
+    """Declare ``hook``, a config pre-hook, as one whose only effect is the block shapes of its launch's own TMA
+    descriptor arguments (a function of the config): a recording (``forward_plan``) keeps those descriptors as the
+    hook left them, so a replay needs no hook. Any other pre-hook fails a recording. Returns ``hook`` (a decorator)."""
+    _BOX_HOOKS.add(hook)
+    return hook
 
 
 def _recording_hook(chain: HookChain) -> bool:

@@ -10,7 +10,7 @@ import triton
 from ... import device_facts, options
 from ...errors import MoEEpConfigError
 from ...triton_runtime import INTERPRETER
-from .. import host_math
+from .. import host_math, launch_cache
 
 GEMM_PARAMS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SWAP_AB", "GROUP_M")
 CONFIG_KEYS = (*GEMM_PARAMS, "TMA", "num_warps", "num_stages")  # a config as the tuned-config file stores it
@@ -96,6 +96,7 @@ def tma_blocks(cfg: dict, fp8: bool, swiglu: bool) -> tuple:
     return (cfg["BLOCK_M"], cfg["BLOCK_K"]), (cfg["BLOCK_N"] // (2 if half else 1), cfg["BLOCK_K"])
 
 
+@launch_cache.sets_descriptor_boxes
 def set_tma_blocks(nargs) -> None:
     """Give the grouped GEMM's TMA descriptors the boxes of the config about to run (:func:`tma_blocks`); a config's
     pre-hook (nargs: the launch's arguments, its flags among them)."""
@@ -251,7 +252,8 @@ def prune_grouped_gemm_configs(configs, named_args, **kwargs):
     if options.current().autotune_quick and len(keep) > 3:  # bounded search (benchmarks' --quick); FP8 prefill:
         keep = keep[-3:] if fp8 and not decode else keep[:2] + keep[-1:]  # its own configs, the space's last
     if not INTERPRETER and len(keep) > 1:
-        full = [c for c in keep if groups * host_math.cdiv(m, c.kwargs["BLOCK_M"]) * host_math.cdiv(n, c.kwargs["BLOCK_N"])
+        full = [c for c in keep
+                if groups * host_math.cdiv(m, c.kwargs["BLOCK_M"]) * host_math.cdiv(n, c.kwargs["BLOCK_N"])
                 >= device_facts.sm_count()]
         keep = full or keep
     if not keep:  # nothing of the right order fits: the space is broken (or the GPU tiny), not the shape
