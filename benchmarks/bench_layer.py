@@ -2,9 +2,9 @@
 I 2048, top-8; LL at 128 tokens, HT at 4096 tokens, every layout.
 
 Per stage (dispatch, bridge, GEMM1, GEMM2, combine) in microseconds (CUDA events), the whole forward,
-its host overhead (CPU time to enqueue one forward), the same with the forward replayed from its recording
-(``MOE_EP_FORWARD_PLAN``, ``moe_ep/forward_plan.py``; its output checked equal to the eager one), the same for
-the layer's CUDA-graph mode
+its host overhead (CPU time to enqueue one forward; ``MOE_EP_FORWARD_PLAN`` off: the whole host path), the same
+with the forward replayed from its recording (the default, ``moe_ep/forward_plan.py``; its output checked equal to
+the eager one), the same for the layer's CUDA-graph mode
 (``cuda_graph=True``: inputs copied into the graph's buffers, or filled in place), and the bridge's steps
 (gather bandwidth, route, unpermute-reduce; device time, graph-timed) against a device copy of the same
 bytes and against the torch version of the same step, all measured in this run. The short table is printed
@@ -80,6 +80,16 @@ def torch_route(ids: torch.Tensor, L: int):
     return order // ids.shape[1], counts[:L].cumsum(0)
 
 
+def _profile(fwd, path: str) -> None:
+    """cProfile of 20 forwards into ``path``: functions by own time, then by cumulative time."""
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [fwd() for _ in range(20)])
+    torch.cuda.synchronize()
+    with open(path, "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+
+
 def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
     E, K, H, I = args.experts, args.top_k, args.hidden, args.inter
     cfg = EpConfig(E, K, H, I, B, alg, layout, args.weight_format, args.activation_format)
@@ -110,12 +120,9 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
                 fwd()
             torch.cuda.set_sync_debug_mode("default")
             r["host_syncs"] = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}" for w in syncs]
-            prof = cProfile.Profile()
-            prof.runcall(lambda: [fwd() for _ in range(20)])
-            torch.cuda.synchronize()
-            with open(os.path.join(args.profile, f"host_{alg}_{layout}.txt"), "w") as f:
-                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
-                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+            _profile(fwd, os.path.join(args.profile, f"host_{alg}_{layout}.txt"))
+        with options.override(forward_plan=True):  # and of the replayed one
+            _profile(fwd, os.path.join(args.profile, f"host_plan_{alg}_{layout}.txt"))
     tr = layer.transport
     r["dispatch_us"] = time_loop(lambda: tr.dispatch(x, idx, w)).device * 1e6
     d = tr.dispatch(x, idx, w)
@@ -198,7 +205,8 @@ def main():
     p.add_argument("--bandwidth-tbps", type=float, default=4.26, help="device copy ceiling (DESIGN.md)")
     p.add_argument("--tflops", type=float, default=795.0, help="bf16 dense matmul ceiling (DESIGN.md)")
     p.add_argument("--out", default=None)
-    p.add_argument("--profile", default=None, help="folder for cProfile reports of the eager forward's host time")
+    p.add_argument("--profile", default=None,
+                   help="folder for cProfile reports of the eager and the replayed forward's host time")
     args = p.parse_args()
     assert torch.cuda.is_available(), "bench_layer.py needs a CUDA GPU"
     if args.profile:

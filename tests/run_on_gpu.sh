@@ -7,7 +7,7 @@
 #       tests:"PYTEST ARGS" (some test files), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
-#       layer (bench_layer.py, with its cProfile reports of the eager forward).
+#       layer (bench_layer.py, with its cProfile reports of the eager and the replayed forward).
 # Logs and JSON go to $OUT (./out when unset; git-ignored); a step stops at its share of DEADLINE seconds from the
 # start (default 585: under a call's 600 s limit), the suite at SUITE_S (default 480); a suite stopped by its limit is
 # interrupted (SIGINT), so pytest still prints what passed and failed so far. The last lines printed are each step's
