@@ -69,7 +69,11 @@ _REPLAYABLE = frozenset({
 (no data-dependent shape), and none reads device values on the host."""
 
 _RECORDING = threading.Lock()  # one recording at a time in a process (the launch cache reports to one)
-MAX_PLANS = 32  # per layer: a caller meeting more signatures than this starts over (the cache stays bounded)
+# Signatures a layer keeps (plans, failed ones and ones met before): one per batch size a caller uses is the common
+# case. When full, those not yet decided (met once, or failed fewer than _TRIES times) make room; a layer full of
+# plans and failures runs a new signature as it is, unrecorded: a caller cycling through more batch sizes than this
+# never pays a recording (about twice an eager forward's host time) per forward.
+MAX_PLANS = 128
 _TRIES = 3  # recordings per signature before it keeps running as it is (a failed one may have met a first launch)
 
 
@@ -287,9 +291,9 @@ class ForwardPlans:
         p = self.plans.get(sig)
         if type(p) is ForwardPlan:
             return p.replay(inputs, device)
-        if len(self.plans) >= MAX_PLANS and p is None:
-            self.plans.clear()
         if p is None:  # the first forward of this signature: as it is (it makes the kept buffers, compiles)
+            if len(self.plans) >= MAX_PLANS and not self._make_room():
+                return forward(*inputs)
             self.plans[sig] = 0
             return forward(*inputs)
         if p >= _TRIES:
@@ -306,3 +310,8 @@ class ForwardPlans:
         self.plans[sig] = plan if plan is not None else p + 1
         self.last_failure = rec.failed
         return out
+
+    def _make_room(self) -> bool:
+        """Drop the signatures not yet decided (:data:`MAX_PLANS`); whether there is room now."""
+        self.plans = {s: p for s, p in self.plans.items() if type(p) is ForwardPlan or p >= _TRIES}
+        return len(self.plans) < MAX_PLANS

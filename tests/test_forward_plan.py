@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, options
+from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, forward_plan, options
 from moe_ep.forward_plan import ForwardPlan, ForwardPlans, signature
 from moe_ep.kernels import launch_cache
 from moe_ep.testing.stand_in_triton import StandInCompiled, stand_in_triton
@@ -285,6 +285,46 @@ def test_replayed_layer_equals_the_layer_on_the_gpu(alg, layout, formats):
         for i, (o, e) in enumerate(zip(got, want + want[:1])):
             assert torch.equal(o, e), (B, i, (o.float() - e.float()).abs().max().item())
     assert len(_plans(layer)) == 2
+
+
+def test_a_full_cache_keeps_its_plans_and_runs_new_signatures_as_they_are(monkeypatch):
+    """A caller meeting more signatures than MAX_PLANS (a batch size per step, say) never records on every forward:
+    signatures met once make room for new ones; once every kept one is a plan, a new signature runs as it is,
+    unrecorded, and the plans keep replaying."""
+    monkeypatch.setattr(forward_plan, "MAX_PLANS", 3)
+    launches = _Launches()
+    calls = []
+
+    def forward(x):
+        calls.append(x.shape[0])
+        y = torch.empty_like(x)
+        launch_cache.launch(_probe_kernel, (1,), y, 7)
+        return y
+
+    def n_plans():
+        return sum(type(p) is ForwardPlan for p in plans.plans.values())
+
+    def run(n, times=1):
+        for _ in range(times):
+            plans.run(forward, (torch.ones(n),), ())
+
+    with stand_in_triton(launches.through_triton):
+        plans = ForwardPlans()
+        run(8, 3)  # a plan
+        run(16)
+        run(24)  # met once each: the cache is full
+        calls.clear()
+        run(32, 3)  # room made (16 and 24 dropped): as it is, recorded, then replayed
+        assert calls == [32, 32] and n_plans() == 2 and len(plans.plans) == 2
+        run(40, 3)
+        assert n_plans() == 3
+        calls.clear()
+        run(48, 4)  # full of plans: as it is, every time, never recorded (nothing kept for it)
+        assert calls == [48] * 4 and len(plans.plans) == 3 and plans.last_failure is None
+        calls.clear()
+        run(8, 2)
+        run(32)
+        assert calls == []  # replayed
 
 
 def _box_hook(nargs):  # a TMA box per config, as the grouped GEMM's set_tma_blocks sets it
