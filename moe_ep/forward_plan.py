@@ -13,8 +13,9 @@ that list with its own inputs: the same ops and launches, in the same order, on 
 on their values (no host sync: a recorded op that reads device values on the host, or whose output shape depends on
 them, makes the recording fail), so they are functions of the signature: each input's type, dtype, shape, strides,
 device and 16-byte alignment, the layer's weights, the options, the tuned files' versions, the device's plan key,
-the current device, Triton's debug and instrumentation knobs, grad and inference mode, and the forward's flags. The
-signature therefore also fixes every launch-cache key (dtypes, alignment: new allocations come from the caching
+the current device, Triton's debug and instrumentation knobs, grad and inference mode, and the forward's flags; and
+whether a launch hook is installed (a profiler must see every launch: with one, nothing is replayed). The signature
+therefore also fixes every launch-cache key (dtypes, alignment: new allocations come from the caching
 allocator, 512-byte aligned, and views sit at offsets fixed by shapes; int arguments: shapes) that the replay skips.
 
 **What is not recorded, so never replayed.** The first forward of a signature (it autotunes, compiles, makes the kept
@@ -79,15 +80,15 @@ _TRIES = 3  # recordings per signature before it keeps running as it is (a faile
 
 def signature(inputs: tuple, extra: tuple, opts: options.Options | None = None, device: int | None = None) -> tuple:
     """What a forward's host decisions depend on besides the layer (module doc): each input's metadata, the options,
-    the tuned files' versions, the device's plan key, the current device, Triton's knobs, grad / inference mode, and
-    ``extra`` (the forward's own flags). ``opts`` / ``device``: the options and the current device (as Triton's
-    driver gives it), when the caller has read them already (None: read here)."""
+    the tuned files' versions, the device's plan key, the current device, Triton's knobs and launch hooks, grad /
+    inference mode, and ``extra`` (the forward's own flags). ``opts`` / ``device``: the options and the current
+    device (as Triton's driver gives it), when the caller has read them already (None: read here)."""
     parts = [(type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % 16) for t in inputs]
     knobs = triton.knobs
     return (*parts, extra, options.current() if opts is None else opts, tuned_files.file_versions(),
             device_facts.plan_key(), launch_cache._driver().get_current_device() if device is None else device,
-            knobs.runtime.debug, knobs.compilation.instrumentation_mode, torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled())
+            knobs.runtime.debug, knobs.compilation.instrumentation_mode, launch_cache.launches_watched(),
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
 
 class _Recording(TorchDispatchMode):

@@ -157,6 +157,45 @@ def _check_signature():
     assert signature((wide[1:].view(T, H), idx, w), (False,)) != signature((wide[:-1].view(T, H), idx, w), (False,))
     with options.override(gemm_chain=False):
         assert signature((x, idx, w), (False,)) != base
+    hook = triton.knobs.runtime.launch_enter_hook
+    hook.add(_watch)
+    try:
+        assert signature((x, idx, w), (False,)) != base  # a profiler's launch hook
+    finally:
+        hook.remove(_watch)
+    assert signature((x, idx, w), (False,)) == base
+
+
+def _watch(*args):  # a profiler's launch hook
+    pass
+
+
+def test_with_a_launch_hook_installed_a_recorded_forward_runs_as_it_is():
+    """A profiler installing a launch hook after a forward was recorded sees every launch: the forward runs as it
+    is, through Triton, and replays again once the hook is gone."""
+    launches = _Launches()
+    calls = []
+
+    def forward(x):
+        calls.append(1)
+        y = torch.empty_like(x)
+        launch_cache.launch(_probe_kernel, (1,), y, 7)
+        return y
+
+    hook = triton.knobs.runtime.launch_enter_hook
+    with stand_in_triton(launches.through_triton):
+        plans = _record_twice(forward, torch.ones(16))
+        assert plans.last_failure is None
+        hook.add(_watch)
+        try:
+            for _ in range(3):
+                _, log = launches.take(lambda: plans.run(forward, (torch.ones(16),), ()))
+                assert log and log[0][1] is None  # through Triton (the stand-in's first-call path)
+        finally:
+            hook.remove(_watch)
+        assert len(calls) == 5
+        plans.run(forward, (torch.ones(16),), ())
+    assert len(calls) == 5  # replayed
 
 
 @triton.jit

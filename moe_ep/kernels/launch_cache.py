@@ -208,6 +208,16 @@ def launch_kept(kernel, grid, args: tuple, kwargs: dict, kwargs_items: tuple | N
     return entry.config
 
 
+def launches_watched() -> bool:
+    """Whether a launch hook or a stages-inspection hook is installed (a profiler): :func:`launch_kept` then
+    launches through Triton, and a recorded forward (``forward_plan``) is not replayed past it."""
+    rt = triton.knobs.runtime
+    enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is not None and (type(enter) is not HookChain or bool(enter.calls))) or \
+        (exit_ is not None and (type(exit_) is not HookChain or bool(exit_.calls))) or \
+        getattr(rt, "add_stages_inspection_hook", None) is not None
+
+
 _recording = None  # the forward being recorded (forward_plan._Recording), while one is
 _BOX_HOOKS: set = set()  # config pre-hooks that set their launch's TMA descriptor boxes and nothing else
 
