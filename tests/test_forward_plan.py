@@ -175,13 +175,7 @@ def test_with_a_launch_hook_installed_a_recorded_forward_runs_as_it_is():
     is, through Triton, and replays again once the hook is gone."""
     launches = _Launches()
     calls = []
-
-    def forward(x):
-        calls.append(1)
-        y = torch.empty_like(x)
-        launch_cache.launch(_probe_kernel, (1,), y, 7)
-        return y
-
+    forward = _probe_forward(calls)
     hook = triton.knobs.runtime.launch_enter_hook
     with stand_in_triton(launches.through_triton):
         plans = _record_twice(forward, torch.ones(16))
@@ -201,6 +195,17 @@ def test_with_a_launch_hook_installed_a_recorded_forward_runs_as_it_is():
 @triton.jit
 def _probe_kernel(x_ptr, n):
     tl.store(x_ptr + tl.arange(0, 16), tl.zeros([16], tl.float32) + n)
+
+
+def _probe_forward(calls: list):
+    """A forward of one kept launch (the probe kernel into a new tensor) that appends each input's length to
+    ``calls``."""
+    def forward(x):
+        calls.append(x.shape[0])
+        y = torch.empty_like(x)
+        launch_cache.launch(_probe_kernel, (1,), y, 7)
+        return y
+    return forward
 
 
 def _record_twice(forward, *inputs):
@@ -254,12 +259,10 @@ def test_a_forward_that_cannot_be_replayed_is_not_recorded_and_runs_as_it_is(fau
 def test_a_replayable_forward_records_and_replays_its_ops():
     launches = _Launches()
     calls = []
+    probe = _probe_forward(calls)
 
     def forward(x):
-        calls.append(1)
-        y = torch.empty_like(x)
-        launch_cache.launch(_probe_kernel, (1,), y, 7)
-        return (y.view(4, 4) + x.view(4, 4)).clamp(-1, 1)
+        return (probe(x).view(4, 4) + x.view(4, 4)).clamp(-1, 1)
 
     with stand_in_triton(launches.through_triton):
         plans = _record_twice(forward, torch.ones(16))
@@ -333,12 +336,7 @@ def test_a_full_cache_keeps_its_plans_and_runs_new_signatures_as_they_are(monkey
     monkeypatch.setattr(forward_plan, "MAX_PLANS", 3)
     launches = _Launches()
     calls = []
-
-    def forward(x):
-        calls.append(x.shape[0])
-        y = torch.empty_like(x)
-        launch_cache.launch(_probe_kernel, (1,), y, 7)
-        return y
+    forward = _probe_forward(calls)
 
     def n_plans():
         return sum(type(p) is ForwardPlan for p in plans.plans.values())
