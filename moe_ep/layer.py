@@ -197,7 +197,7 @@ class MoEEpLayer(torch.nn.Module):
         self._routes = kept_routes(config, self.world_size, weights.device)
         # eager forwards replayed from a recording per input signature (MOE_EP_FORWARD_PLAN), where the transport's
         # work is all kernels and torch ops of this process (forward_plan.py)
-        self._plans = ForwardPlans() if getattr(self.transport, "replayable", False) else None
+        self._plans = ForwardPlans() if self.transport.replayable else None
         if cuda_graph:
             check(self.transport.graph_capturable,
                   f"cuda_graph=True with transport {self.transport.name!r}, {config.algorithm.value}, world size",

@@ -80,7 +80,7 @@ def other_transport_gets_ids_in_range(monkeypatch):
     seen = []
 
     class Spy:
-        name, graph_capturable = "nccl_ep", False
+        name, graph_capturable, replayable = "nccl_ep", False, False
 
         def dispatch(self, x, idx, w):
             seen.append(idx.clone())

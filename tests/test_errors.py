@@ -115,7 +115,7 @@ def test_cuda_graph_needs_a_capturable_transport_and_cuda_weights(monkeypatch):
             _layer(cuda_graph=True)
 
     class Syncing:  # a transport whose dispatch needs the host (the portable one with several ranks)
-        name, graph_capturable = "torch", False
+        name, graph_capturable, replayable = "torch", False, False
     monkeypatch.setattr("moe_ep.layer.make_transport", lambda *a, **k: Syncing())
     with pytest.raises(MoEEpConfigError, match="world size 1"):
         _layer(cuda_graph=True)
