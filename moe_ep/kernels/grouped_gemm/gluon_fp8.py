@@ -371,10 +371,10 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-CHECKED_TRITONS = ("3.6",)
-"""Triton releases under which both forms of these kernels passed the GPU property tests on an H200 (3.9.0 built both
-and ran GEMM2's form there, not yet GEMM1's): the grouped-GEMM dispatcher takes this path under these only
-(:func:`dispatchable`); the entry points below run under any."""
+CHECKED_TRITONS = ("3.6", "3.9")
+"""Triton releases under which both forms of these kernels passed the GPU property tests (``tests/test_gluon_fp8.py``
+on sm_90): the grouped-GEMM dispatcher takes this path under these only (:func:`dispatchable`); the entry points below
+run under any."""
 
 
 def dispatchable() -> bool:
