@@ -8,6 +8,9 @@
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
 #       layer (bench_layer.py, with its cProfile reports of the eager and the replayed forward).
+# WORKERS (default 16): pytest-xdist workers of suite and tests steps; fewer where a few test files with large
+# shapes run side by side (tests/test_gluon_fp8.py's benchmark shapes take several GiB each: -n 16 of them alone
+# outgrows an 80 GB card, where the whole suite spreads them out).
 # Logs and JSON go to $OUT (./out when unset; git-ignored); a step stops at its share of DEADLINE seconds from the
 # start (default 585: under a call's 600 s limit), the suite at SUITE_S (default 480); a suite stopped by its limit is
 # interrupted (SIGINT), so pytest still prints what passed and failed so far. The last lines printed are each step's
@@ -30,11 +33,11 @@ for step in "$@"; do
   case $step in
     suite)
       only=(); [ "$tri" = 39 ] && only=(-m 'not one_triton')
-      timeout -s INT -k 30 "${SUITE_S:-480}" python3 -m pytest -q -n 16 $dist -p no:cacheprovider --durations=25 \
+      timeout -s INT -k 30 "${SUITE_S:-480}" python3 -m pytest -q -n "${WORKERS:-16}" $dist -p no:cacheprovider --durations=25 \
         tests --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
       summary suite $? "$out/suite$tri.log" ;;
     tests:*)
-      timeout -s INT -k 30 "$(left)" python3 -m pytest -q -n 16 $dist -p no:cacheprovider ${step#tests:} \
+      timeout -s INT -k 30 "$(left)" python3 -m pytest -q -n "${WORKERS:-16}" $dist -p no:cacheprovider ${step#tests:} \
         > "$out/tests$tri.log" 2>&1
       summary tests $? "$out/tests$tri.log" ;;
     fp8_bench)
