@@ -33,8 +33,8 @@ for step in "$@"; do
   case $step in
     suite)
       only=(); [ "$tri" = 39 ] && only=(-m 'not one_triton')
-      timeout -s INT -k 30 "${SUITE_S:-480}" python3 -m pytest -q -n "${WORKERS:-16}" $dist -p no:cacheprovider --durations=25 \
-        tests --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
+      timeout -s INT -k 30 "${SUITE_S:-480}" python3 -m pytest -q -n "${WORKERS:-16}" $dist -p no:cacheprovider \
+        --durations=25 tests --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
       summary suite $? "$out/suite$tri.log" ;;
     tests:*)
       timeout -s INT -k 30 "$(left)" python3 -m pytest -q -n "${WORKERS:-16}" $dist -p no:cacheprovider ${step#tests:} \
