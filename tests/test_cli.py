@@ -193,6 +193,20 @@ def test_tune_fp8_writes_fp8_keys_the_fp8_gemms_load(tmp_path):
         assert plan.config_source == "tuned-file" and plan.config == cfg
 
 
+def test_tune_fp8_leaves_the_buckets_the_gluon_kernels_take(tmp_path, monkeypatch, capsys):
+    """Where the Gluon FP8 kernels run (here made to seem so), ``--formats fp8`` tunes only the buckets below
+    ``MOE_EP_GLUON_FP8_MIN_M`` (the tl kernel's configs of the others would never be read), says so per bucket, and
+    does not count them as failed."""
+    from moe_ep import device_facts, options
+    from moe_ep.kernels.grouped_gemm import gluon_fp8
+    monkeypatch.setattr(gluon_fp8, "dispatchable", lambda: True)
+    with options.override(config_dir=str(tmp_path), gluon_fp8_min_m=16):
+        assert main(["tune", *TINY, "--gemms", "gemm2", "--formats", "fp8", "--buckets", "8,16"]) == 0
+    table = json.loads((tmp_path / f"{device_facts.device_name()}.json").read_text())
+    assert [list(buckets) for buckets in table.values()] == [["8"]]
+    assert "not tuned: the Gluon FP8 kernels take this bucket" in capsys.readouterr().out
+
+
 def test_routed_offsets_spread_rows_around_the_mean():
     from moe_ep.commands.common import routed_offsets
     offs = routed_offsets(32, 16, torch.device("cpu"))

@@ -23,6 +23,8 @@ Where the sm_100 W4A4 kernel runs (``sm100_fp4.available()``: a B200), NVFP4 wei
 by the same loop (buckets, routed counts, device name, file): its candidates are ``sm100_fp4.tune_candidates``
 (its space pruned for the shape and sm_100's shared and tensor memory), written under
 ``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]``.
+FP8 buckets that the Gluon FP8 kernels take on this GPU (``grouped_gemm.plan.gluon_fp8_takes``: an H100 / H200, from
+``MOE_EP_GLUON_FP8_MIN_M`` tokens per expert on) are not tuned: no tl config of theirs would be read.
 Nothing here assumes an architecture: the device name and the config space come from the kernels' package.
 """
 
@@ -36,6 +38,7 @@ import torch
 from .. import device_facts, options
 from ..errors import MoEEpConfigError
 from ..kernels.grouped_gemm import config_space, grouped_gemm, plan_grouped_gemm, sm100_fp4, tuned_files
+from ..kernels.grouped_gemm.plan import gluon_fp8_takes
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
                      routed_offsets, uniform_offsets, write_json)
@@ -183,6 +186,11 @@ def run(args) -> int:
             if not args.force and str(s["bucket"]) in table.get(key, {}):
                 rows.append([s["preset"], key, s["bucket"], "skipped (already tuned)", "", ""])
                 advance(label + " (skip)")
+                continue
+            if s["fp8"] and gluon_fp8_takes(config_space.m_bucket(s["bucket"]), s["G"]):
+                rows.append([s["preset"], key, s["bucket"], "not tuned: the Gluon FP8 kernels take this bucket here "
+                             f"({options.ENV['gluon_fp8_min_m']}=off for the tl kernel's)", "", ""])
+                advance(label + " (Gluon FP8)")
                 continue
             if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
                 stopped = True

@@ -138,10 +138,8 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
         return GemmPlan(**dict(base, chain="none", pdl=False), config=None, config_source="no-launch",
                         config_file=None, tma=False, persistent=False, grid=0)
     if config is None and fp8 and ragged and out_format != "fp32" and swiglu == fp8_out and \
-            bucket >= (opts.gluon_fp8_min_m or float("inf")):
-        gluon = _gluon_fp8_plan(base, G)
-        if gluon is not None:
-            return gluon
+            gluon_fp8_takes(bucket, G, opts):
+        return _gluon_fp8_plan(base)
     if x_fp4 and w_fp4 and sm100_fp4.available():  # W4A4 on Blackwell: native FP4 MMAs
         cfg, source, path = _sm100_config(N, K, m, swiglu, config)
         grid = schedule.tile_slots(ragged, G, M_max, S, N, cfg["BLOCK_M"], cfg["BLOCK_N"])
@@ -165,12 +163,22 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
                                  persistent=None, grid=None), cfg)
 
 
-def _gluon_fp8_plan(base: dict, G: int) -> GemmPlan | None:
-    """The plan of a ragged FP8 prefill call on the Gluon kernels (``gluon_fp8.py``: the default variant of the call's
-    form), or None where they may not run (not ``gluon_fp8.dispatchable()``, or more experts than they take)."""
+def gluon_fp8_takes(bucket: int, G: int, opts: options.Options | None = None) -> bool:
+    """Whether a ragged FP8 call of ``bucket`` tokens per expert (``config_space.m_bucket``) over ``G`` experts, in a
+    form the Gluon kernels have (GEMM2's with a bf16 out, GEMM1's with SwiGLU and an FP8 out) and with no forced
+    config, runs them here: from ``MOE_EP_GLUON_FP8_MIN_M`` on (``opts``: the options, None: the current ones),
+    where ``gluon_fp8.dispatchable()``, for at most ``gluon_fp8.MAX_EXPERTS`` experts. ``moe-ep tune`` asks it too:
+    the tl kernel's configs for such a bucket would never be read."""
+    if bucket < ((opts or options.current()).gluon_fp8_min_m or float("inf")):
+        return False
     from . import gluon_fp8  # (here: Gluon is imported only where a call may take it)
-    if G > gluon_fp8.MAX_EXPERTS or not gluon_fp8.dispatchable():
-        return None
+    return G <= gluon_fp8.MAX_EXPERTS and gluon_fp8.dispatchable()
+
+
+def _gluon_fp8_plan(base: dict) -> GemmPlan:
+    """The plan of a ragged FP8 prefill call on the Gluon kernels (``gluon_fp8.py``: the default variant of the call's
+    form), where :func:`gluon_fp8_takes`."""
+    from . import gluon_fp8
     swiglu = base["swiglu"]
     variant = gluon_fp8.DEFAULT_SWIGLU_VARIANT if swiglu else gluon_fp8.DEFAULT_VARIANT
     consumers, _, block_n, _ = (gluon_fp8.SWIGLU_VARIANTS if swiglu else gluon_fp8.VARIANTS)[variant]
