@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from .errors import MoEEpConfigError
 
 DEFAULT_DECODED_MIN_M = 512  # from this many tokens per expert on, NVFP4 weights are decoded to bf16 copies first
-DEFAULT_GLUON_FP8_MIN_M = None  # off until the GPU suites run with it on (then 128: the bucket it pays from, docs)
+DEFAULT_GLUON_FP8_MIN_M = 128  # the bucket from which the FP8 expert MLP is faster through the Gluon kernels (PERF.md)
 
 _TRUE = ("1", "on", "true", "yes")
 _FALSE = ("0", "off", "false", "no")

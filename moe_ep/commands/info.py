@@ -58,9 +58,8 @@ def fast_paths() -> list[dict]:
     min_m, var = options.current().gluon_fp8_min_m, options.ENV["gluon_fp8_min_m"]
     why = gluon_fp8.not_dispatchable_reason()
     if why is None:
-        default = " (its default)" if options.DEFAULT_GLUON_FP8_MIN_M is None else ""
         why = (f"from {min_m} tokens per expert ({var})" if min_m is not None else
-               f"{var} is off{default}: set it to 128 to take this path")
+               f"{var} is off: unset it (default {options.DEFAULT_GLUON_FP8_MIN_M}) to take this path")
     return [dict(name="gluon-fp8", calls="ragged FP8 GEMMs at prefill sizes (Hopper, sm_90)",
                  taken=gluon_fp8.dispatchable() and min_m is not None, reason=why),
             dict(name="sm100-fp4", calls="W4A4: NVFP4 x and weights (Blackwell, capability 10.x)",
