@@ -4,7 +4,8 @@ I 2048, top-8; LL at 128 tokens, HT at 4096 tokens, every layout.
 Per stage (dispatch, bridge, GEMM1, GEMM2, combine) in microseconds (CUDA events), the whole forward,
 its host overhead (CPU time to enqueue one forward; ``MOE_EP_FORWARD_PLAN`` off: the whole host path), the same
 with the forward replayed from its recording (the default, ``moe_ep/forward_plan.py``; its output checked equal to
-the eager one), the same for the layer's CUDA-graph mode
+the eager one) and that replay's host time step by step (each aten op and kernel launch of the recording, on an idle
+GPU: where the replayed forward's host time goes), the same for the layer's CUDA-graph mode
 (``cuda_graph=True``: inputs copied into the graph's buffers, or filled in place), and the bridge's steps
 (gather bandwidth, route, unpermute-reduce; device time, graph-timed) against a device copy of the same
 bytes and against the torch version of the same step, all measured in this run. The short table is printed
@@ -22,15 +23,19 @@ import cProfile
 import json
 import os
 import pstats
+import time
 import warnings
 
 import moe_ep  # noqa: F401  (before triton)
 import torch
 import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, options
 from moe_ep.commands.timing import time_graph, time_host_idle, time_loop
-from moe_ep.kernels import grouped_gemm
+from moe_ep.forward_plan import ForwardPlan
+from moe_ep.kernels import grouped_gemm, launch_cache
 from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
 
 
@@ -60,13 +65,71 @@ def _empty_kernel(p, n):
     pass
 
 
+@triton.jit
+def _tile_by_pointers(src, dst):
+    offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(dst + offs, tl.load(src + offs))
+
+
+@triton.jit
+def _tile_by_descriptor(src_desc, dst):
+    offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(dst + offs, src_desc.load([0, 0]))
+
+
 def launch_floor() -> dict:
     """Host us to enqueue one empty Triton kernel and one tiny torch op: what an eager forward's launches cost
-    before any of our Python runs (an eager forward makes many launches: docs/PERF.md, "The layer")."""
+    before any of our Python runs (an eager forward makes many launches: docs/PERF.md, "The layer"). Also one
+    tile copy launched with a host TMA descriptor against the same copy by pointers: the difference is what
+    Triton's launcher spends per descriptor (encoding its CUtensorMap), which a replay pays per descriptor too."""
     t = torch.zeros(16, device="cuda")
+    src, dst = torch.zeros(16, 16, device="cuda", dtype=torch.bfloat16), torch.empty(256, device="cuda").bfloat16()
+    desc = TensorDescriptor.from_tensor(src, [16, 16])
     return {"case": "launch floor", "tokens": 0,
             "triton_launch_host_us": time_loop(lambda: _empty_kernel[(1,)](t, 16), iters=200).host * 1e6,
-            "torch_op_host_us": time_loop(lambda: t.add_(1), iters=200).host * 1e6}
+            "torch_op_host_us": time_loop(lambda: t.add_(1), iters=200).host * 1e6,
+            "pointer_tile_launch_host_us": time_loop(lambda: _tile_by_pointers[(1,)](src, dst), iters=200).host * 1e6,
+            "descriptor_tile_launch_host_us": time_loop(lambda: _tile_by_descriptor[(1,)](desc, dst),
+                                                        iters=200).host * 1e6}
+
+
+def _kernel_names() -> dict:
+    """Compiled function handle -> kernel name, for every launch the launch cache keeps."""
+    names = {}
+    for info in launch_cache._KERNELS.values():
+        for entry in info.entries.values():
+            for _, function, _, _ in entry.compiled.values():
+                names[function] = info.jit.fn.__name__
+    return names
+
+
+def replay_steps(layer: MoEEpLayer, inputs: tuple, reps: int = 25) -> list[dict]:
+    """The layer's recorded forward (its one plan) replayed step by step, each step's host us (the median over
+    ``reps`` replays, each onto an idle GPU): an aten op by name, a kernel launch by kernel name and its number of
+    TMA descriptors made per launch (``forward_plan._DescriptorSlot``: built on each replay, and Triton's launcher
+    encodes each into a CUtensorMap)."""
+    plan = next(p for p in layer._plans.plans.values() if type(p) is ForwardPlan)
+    device = torch.cuda.current_device()
+    stream = launch_cache._driver().get_current_stream(device)
+    names, times = _kernel_names(), [[] for _ in plan.steps]
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        tensors = list(inputs)
+        for i, step in enumerate(plan.steps):
+            launch = hasattr(step, "function")
+            t0 = time.perf_counter()
+            step.run(tensors, stream) if launch else step.run(tensors)
+            times[i].append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    out = []
+    for step, t in zip(plan.steps, times):
+        if hasattr(step, "function"):
+            descs = sum(type(slot).__name__ == "_DescriptorSlot" for _, slot in step.slots)
+            label = f"{names.get(step.function, 'kernel')}" + (f" ({descs} TMA desc.)" if descs else "")
+        else:
+            label = str(step.func).replace("aten.", "")
+        out.append({"step": label, "host_us": sorted(t)[len(t) // 2] * 1e6})
+    return out
 
 
 def torch_route(ids: torch.Tensor, L: int):
@@ -111,7 +174,11 @@ def bench_case(alg: str, layout: str, B: int, args, w13, w2) -> dict:
         t_plan = time_loop(fwd)
         r.update(plan_forward_us=t_plan.device * 1e6, plan_host_us=t_plan.host * 1e6,
                  plan_host_idle_us=time_host_idle(fwd) * 1e6, plan_failure=layer._plans.last_failure,
-                 plan_matches_eager=bool(torch.equal(fwd(), eager)))
+                 plan_matches_eager=bool(torch.equal(fwd(), eager)),
+                 # back to back over more forwards: a longer queue of earlier work for the driver to push back with
+                 plan_host_us_80=time_loop(fwd, iters=80).host * 1e6)
+        if r["plan_failure"] is None:
+            r["replay_steps"] = replay_steps(layer, (x, idx, w))
     if args.profile:  # where the host time of an eager forward goes: host syncs, then functions by own time
         with options.override(forward_plan=False):
             torch.cuda.set_sync_debug_mode("warn")
@@ -239,7 +306,15 @@ def main():
               + ("" if r["plan_matches_eager"] else "   replay != eager (!)")
               + (f"   not recorded: {r['plan_failure']}" if r["plan_failure"] else ""))  # (the why of a failed one)
     print(f"launch floor (host us): empty Triton kernel {results[0]['triton_launch_host_us']:.1f}, "
-          f"torch op {results[0]['torch_op_host_us']:.1f}")
+          f"torch op {results[0]['torch_op_host_us']:.1f}; a tile copy by pointers "
+          f"{results[0]['pointer_tile_launch_host_us']:.1f}, by a TMA descriptor "
+          f"{results[0]['descriptor_tile_launch_host_us']:.1f}")
+    print("\nreplayed forward, host us per step (idle GPU, median); back to back over 20 / 80 forwards:")
+    for r in results[1:]:
+        if "replay_steps" in r:
+            steps = r["replay_steps"]
+            print(f"{r['case']:<16} sum {sum(st['host_us'] for st in steps):.1f}; back to back {r['plan_host_us']:.1f}"
+                  f" / {r['plan_host_us_80']:.1f}: " + ", ".join(f"{st['step']} {st['host_us']:.1f}" for st in steps))
     print(f"\n{'bridge (GB/s, us)':<16}{'gather':>10}{'copy':>10}{'torch':>10}{'route':>10}{'torch':>10}"
           f"{'unperm':>10}{'torch':>10}")
     for r in results:
