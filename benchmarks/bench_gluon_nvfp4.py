@@ -2,8 +2,7 @@
 
 Each row: one GEMM (no SwiGLU) of a model's local experts, ragged bf16 x with the same tokens per expert, NVFP4
 weights (one global scale per expert). Columns, all CUDA-graph timed in this run: the Gluon kernel
-(``gluon_nvfp4_grouped_gemm``, bf16 out; with its PTX decode, with the plain one, and decoding into wgmma's
-register A operand from codes packed once), the tl path
+(``gluon_nvfp4_grouped_gemm``, bf16 out; with its PTX decode and with the plain one), the tl path
 (``moe_ep.kernels.grouped_gemm`` on the same NvFp4Tensor, autotuned first, bounded search), the time a plain
 streaming-read kernel takes to read the same weight bytes once (codes + scales: the floor), the byte floor at
 4.8 TB/s, and the relative error of each against the fp32 reference on the dequantized weights; the PTX-decode
@@ -30,7 +29,7 @@ from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 from moe_ep.kernels import grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels.grouped_gemm.gluon_nvfp4 import (  # noqa: E402
-    LAUNCH_SWEEP, gluon_nvfp4_grouped_gemm, launch_params, pack_register_a_codes, token_tile)
+    LAUNCH_SWEEP, gluon_nvfp4_grouped_gemm, launch_params, token_tile)
 from moe_ep.reference import dequantize_nvfp4_ref  # noqa: E402
 
 BW = 4.8e12
@@ -68,16 +67,13 @@ def run_row(name, G, N, K, tpe):
     row["byte_floor_us"] = nbytes / BW * 1e6
     row["read_weights_us"] = time_read(w.data, w.scales.view(torch.uint8)) * 1e6
     ref = reference(x, w, offs)
-    codes = pack_register_a_codes(w.data)  # (once per weight, as a caller keeps them)
-    # PTX decode (the default), plain fp32 decode, the plain decode into the MMA's registers
-    for col, decode in (("gluon", {}), ("gluon_plain", {"fast_decode": False}),
-                        ("gluon_reg_a", {"fast_decode": False, "register_a": True, "codes": codes})):
+    for col, fast in (("gluon", True), ("gluon_plain", False)):  # PTX decode (the default), plain fp32 decode
         try:
-            out = gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, **decode)
+            out = gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, fast_decode=fast)
             torch.cuda.synchronize()
             row[f"rel_err_{col}"] = rel_err(out, ref)
             row[f"{col}_us"] = time_graph(
-                lambda d=decode: gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, **d)) * 1e6
+                lambda f=fast: gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, fast_decode=f)) * 1e6
         except Exception:  # noqa: BLE001  (reported in the row: the other columns still say something)
             row[f"{col}_error"] = traceback.format_exc()[-2000:]
     sweep = {}
@@ -116,27 +112,26 @@ def main():
 
     def e(v):
         return "-" if v is None else f"{v:8.1e}"
-    print(f"\n{'shape':34} {'tok/e':>5} {'gluon':>8} {'gl plain':>8} {'gl reg A':>8} {'tl':>8} {'read':>8} "
-          f"{'byteflr':>8} {'gl/tl':>6} {'gl/read':>7} {'err gl':>8} {'err reg':>8} {'err tl':>8}")
+    print(f"\n{'shape':34} {'tok/e':>5} {'gluon':>8} {'gl plain':>8} {'tl':>8} {'read':>8} {'byteflr':>8} {'gl/tl':>6} "
+          f"{'gl/read':>7} {'err gl':>8} {'err tl':>8}")
     for r in rows:
         if "row_error" in r:
             print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} failed: {error_line(r['row_error'])}")
             continue
         gl_us, tl_us, rd = r.get("gluon_us"), r.get("tl_us"), r["read_weights_us"]
         print(f"{r['shape'][:34]:34} {r['tokens_per_expert']:5d} {f(gl_us):>8} {f(r.get('gluon_plain_us')):>8} "
-              f"{f(r.get('gluon_reg_a_us')):>8} {f(tl_us):>8} {f(rd):>8} "
+              f"{f(tl_us):>8} {f(rd):>8} "
               f"{f(r['byte_floor_us']):>8} {gl_us / tl_us if gl_us and tl_us else float('nan'):6.2f} "
               f"{gl_us / rd if gl_us else float('nan'):7.2f} {e(r.get('rel_err_gluon')):>8} "
-              f"{e(r.get('rel_err_gluon_reg_a')):>8} {e(r.get('rel_err_tl')):>8}")
-        for k in ("gluon_error", "gluon_plain_error", "gluon_reg_a_error", "tl_error"):
+              f"{e(r.get('rel_err_tl')):>8}")
+        for k in ("gluon_error", "gluon_plain_error", "tl_error"):
             if k in r:
                 print(f"  {k}: {error_line(r[k])}")
         print(f"  defaults {r['gluon_defaults']}; sweep: " + ", ".join(
             f"{k}: {v['us']:.1f} us (err {v['rel_err']:.1e})" if "us" in v else f"{k}: {v['error']}"
             for k, v in r["gluon_sweep"].items()))
-    print("times in us (median of CUDA-graph replays); gluon / gl plain / gl reg A: the Gluon kernel with the PTX / "
-          "plain fp32 decode into its shared-memory A tile / the plain decode into the MMA's registers (gl/tl, "
-          "gl/read: the PTX one); read: the NVFP4 weight codes + scales streamed once by a plain "
+    print("times in us (median of CUDA-graph replays); gluon / gl plain: the Gluon kernel with the PTX / plain fp32 "
+          "decode (gl/tl, gl/read: the PTX one); read: the NVFP4 weight codes + scales streamed once by a plain "
           "Triton read kernel (best of a few tilings); byteflr: those bytes / 4.8 TB/s; err: relative Frobenius error "
           "against fp32 x @ dequant(w)^T (bf16 outputs)")
 

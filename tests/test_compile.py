@@ -238,44 +238,6 @@ def test_gluon_nvfp4_variants_build_for_sm90a_without_spills():
     assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_nvfp4")
 
 
-REGISTER_A_SCRIPT = r"""
-import re
-import moe_ep
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from moe_ep.kernels.grouped_gemm import gluon_nvfp4
-seen = 0
-for block_t in gluon_nvfp4.TOKEN_TILES:
-    for register_a in (False, True):
-        sig, const, opts = gluon_nvfp4.compile_signature(block_t, "bf16", not register_a, False, register_a)
-        k = triton.compile(GluonASTSource(gluon_nvfp4._gluon_nvfp4_kernel, sig, const),
-                           target=GPUTarget("cuda", 90, 32), options=opts)
-        ptx = k.asm["ptx"]
-        mmas = re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*(\S+)", ptx)
-        a_regs = [a.startswith("{") for a in mmas]
-        a_stores = len(re.findall(r"st\.shared\.v4", ptx))
-        assert mmas and all(a_regs) == register_a and any(a_regs) == register_a, (block_t, register_a, mmas[:2])
-        if register_a:  # no layout conversion: no A tile stored and read back, no shuffles, the codes read as vectors
-            shuffles, byte_loads = len(re.findall(r"shfl\.sync\.bfly", ptx)), len(re.findall(r"ld\.shared\.b8", ptx))
-            assert "ldmatrix" not in ptx and a_stores == shuffles == 0 and byte_loads <= 1, \
-                (block_t, a_stores, shuffles, byte_loads)
-            seen += 1
-        else:  # (the check sees the A tile where there is one)
-            assert a_stores > 0, block_t
-print(f"register A: {seen} token tiles decode into the MMA's registers")
-"""
-
-
-def test_gluon_nvfp4_register_a_decodes_into_the_mma_operand():
-    """The register-A variant of the Gluon NVFP4 GEMM, built for sm_90a at every token tile: every wgmma takes its A
-    operand from registers, nothing stores a tile to shared memory or reads one back with ldmatrix, no warp shuffles
-    move values between threads, and the packed codes are read as 16-byte vectors, not bytes (the codes' and scales'
-    layouts make the conversion to the MMA's layout the identity); the shared-memory A variant, built alike, stores
-    its A tile (the check can see one)."""
-    assert "decode into the MMA's registers" in _run(REGISTER_A_SCRIPT)
-
-
 def test_gluon_fp8_variants_build_for_sm90a_without_spills():
     """Every Gluon FP8 GEMM variant (and with / without the row scale), built for sm_90a as a launch builds it: no
     spill bytes, at most the registers a thread may hold, and no wgmma serialization warning from ptxas (an MMA that

@@ -78,12 +78,11 @@ def _check(c, fast_decode, problem=None, **launch):
 @pytest.mark.gpu
 @hopper_only
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@pytest.mark.parametrize("fast_decode,overlap,register_a", [(True, False, False), (False, False, False),
-                                                             (True, True, False), (False, False, True)],
-                         ids=["ptx-decode", "plain-decode", "ptx-decode-overlap", "register-a"])
+@pytest.mark.parametrize("fast_decode,overlap", [(True, False), (False, False), (True, True)],
+                         ids=["ptx-decode", "plain-decode", "ptx-decode-overlap"])
 @given(c=gluon_cases())
-def test_gluon_nvfp4_matches_reference(fast_decode, overlap, register_a, c):
-    _check(c, fast_decode, overlap=overlap, register_a=register_a)
+def test_gluon_nvfp4_matches_reference(fast_decode, overlap, c):
+    _check(c, fast_decode, overlap=overlap)
 
 
 @pytest.mark.gpu
@@ -92,13 +91,12 @@ def test_gluon_nvfp4_matches_reference(fast_decode, overlap, register_a, c):
                                         (128, 2048, 768, 8)], ids=["dsv3-gemm1", "dsv3-gemm2", "qwen3-gemm1",
                                                                    "qwen3-gemm2"])
 def test_gluon_nvfp4_benchmark_shapes(G, N, K, rows):
-    """The benchmark's shapes (DeepSeek-V3 EP8 rank, Qwen3-30B-A3B), balanced counts, bf16 output: the three decodes
-    (the register-A one from codes packed once), and the ring depths and register budgets the benchmark sweeps."""
+    """The benchmark's shapes (DeepSeek-V3 EP8 rank, Qwen3-30B-A3B), balanced counts, bf16 output: both decodes,
+    and the ring depths and register budgets the benchmark sweeps."""
     c = dict(G=G, N=N, K=K, counts=[rows] * G, pad=0, out_dtype=torch.bfloat16, hint=None, one_gs=False, scale=1.0,
              zero_frac=0.0, seed=1)
     problem = _problem(c)
     _check(c, False, problem)
-    _check(c, False, problem, register_a=True, codes=gluon_nvfp4.pack_register_a_codes(problem[1].data))
     for stages, maxnreg, overlap in gluon_nvfp4.LAUNCH_SWEEP:
         _check(c, True, problem, stages=stages, maxnreg=maxnreg, overlap=overlap)
 
@@ -121,13 +119,7 @@ def _bad_inputs():
         ("overlap on one stage", lambda a: dict(a, stages=1, overlap=True), "stages"),
         ("overlap not a bool", lambda a: dict(a, overlap="yes"), "overlap"),
         ("no tokens per expert", lambda a: dict(a, tokens_per_expert=0), "tokens_per_expert"),
-        ("register A with the PTX decode", lambda a: dict(a, register_a=True), "fast_decode"),
-        ("register A with overlap", lambda a: dict(a, register_a=True, fast_decode=False, overlap=True), "overlap"),
-        ("register_a not a bool", lambda a: dict(a, register_a="yes", fast_decode=False), "register_a"),
-        ("packed codes without register A", lambda a: dict(a, codes=torch.zeros(2, 64, 128, dtype=torch.uint8)),
-         "codes"),
-        ("packed codes of another shape", lambda a: dict(a, register_a=True, fast_decode=False,
-                                                         codes=torch.zeros(2, 64, 64, dtype=torch.uint8)), "codes"),
+        ("fast_decode not a bool", lambda a: dict(a, fast_decode="yes"), "fast_decode"),
         ("x on the CPU", lambda a: dict(a), "x.device"),  # valid otherwise: only a CUDA device is refused for
     ]
 
@@ -142,23 +134,6 @@ def _w(G, N, K, swizzled=False):
         from moe_ep.kernels.nvfp4_tensor import swizzle_scales
         return NvFp4Tensor(q.data, swizzle_scales(q.scales), q.global_scale, q.shape, swizzled=True)
     return q
-
-
-def test_register_a_packing_is_a_permutation_that_gives_each_thread_its_bytes_together():
-    """``pack_register_a_codes`` (codes of two 128-byte chunks per row, a leading expert dimension): ``unpack``
-    undoes it; the kernel's index steps on a packed chunk (reshape [64, 4, 16, 2], permute to [row, kb, h, t],
-    reshape [64, 16, 8]), done here in torch, give back its bytes in their linear order; and bytes t * 32 .. t * 32
-    + 31 of a chunk are those wgmma's A fragment gives lane t (mod 4): bytes t and t + 4 of every 8-byte scale block
-    (elements 2t, 2t + 1, 2t + 8, 2t + 9 of each 16)."""
-    data = torch.randint(0, 256, (2, 64, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    packed = gluon_nvfp4.pack_register_a_codes(data)
-    assert packed.shape == data.shape and not torch.equal(packed, data)
-    assert torch.equal(gluon_nvfp4.unpack_register_a_codes(packed), data)
-    for chunk in range(2):
-        got, linear = packed[1, :, chunk * 128:(chunk + 1) * 128], data[1, :, chunk * 128:(chunk + 1) * 128]
-        assert torch.equal(got.reshape(64, 4, 16, 2).permute(0, 2, 3, 1).reshape(64, 128), linear)
-        for t in range(4):
-            assert torch.equal(got[:, t * 32:(t + 1) * 32], linear.reshape(64, 16, 8)[:, :, [t, t + 4]].reshape(64, 32))
 
 
 @pytest.mark.parametrize("name,make,what", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])

@@ -251,10 +251,9 @@ def gluon_nvfp4():
     function is not a ``triton.language`` one), for sm_90 only (:data:`SM90_ONLY`: it is wgmma code)."""
     checks = []
     for block_t in _gluon_nvfp4.TOKEN_TILES:
-        for out, fast, overlap, register_a in (("bf16", True, False, False), ("fp32", True, False, False),
-                                               ("bf16", False, False, False), ("bf16", True, True, False),
-                                               ("bf16", False, False, True), ("fp32", False, False, True)):
-            sig, const, opts = _gluon_nvfp4.compile_signature(block_t, out, fast, overlap, register_a)
+        for out, fast, overlap in (("bf16", True, False), ("fp32", True, False), ("bf16", False, False),
+                                   ("bf16", True, True)):
+            sig, const, opts = _gluon_nvfp4.compile_signature(block_t, out, fast, overlap)
             checks.append((_gluon_nvfp4._gluon_nvfp4_kernel, sig, const, opts))
     return checks
 

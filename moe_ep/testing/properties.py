@@ -236,8 +236,7 @@ def check_expert_mlp(c: dict, dev) -> None:
 
 def check_gluon_nvfp4_gemm(c: dict, dev) -> None:
     """The Gluon NVFP4-weight grouped GEMM (sm_90a) of a :func:`~.strategies.gluon_nvfp4_cases` case, at the case's
-    decode and launch (``LAUNCH_SWEEP``; with ``register_a``, the plain decode into the MMA's registers, no
-    overlap), into a NaN-poisoned output: within :data:`GEMM_TOL` (bf16 output) or
+    decode and launch (``LAUNCH_SWEEP``), into a NaN-poisoned output: within :data:`GEMM_TOL` (bf16 output) or
     :data:`GLUON_FP32_TOL` (fp32 output) of the fp32 reference on the dequantized weights, and within the same bound
     of the ``tl`` kernel (``grouped_gemm``, the dispatcher's path for these operands); rows of no expert left
     unwritten."""
@@ -254,12 +253,10 @@ def check_gluon_nvfp4_gemm(c: dict, dev) -> None:
     valid = torch.arange(rows) < offs[-1]
     out_dtype = getattr(torch, c["out_dtype"])
     stages, maxnreg, overlap = gluon_nvfp4.LAUNCH_SWEEP[c["launch"]]
-    register_a = c.get("register_a", False)
     out = torch.full((rows, c["N"]), float("nan"), dtype=out_dtype, device=dev)
     got = gluon_nvfp4.gluon_nvfp4_grouped_gemm(x, w, offsets, out_dtype=out_dtype, tokens_per_expert=c["hint"],
-                                               out=out, fast_decode=c["fast_decode"] and not register_a,
-                                               stages=stages, maxnreg=maxnreg, overlap=overlap and not register_a,
-                                               register_a=register_a)
+                                               out=out, fast_decode=c["fast_decode"], stages=stages,
+                                               maxnreg=maxnreg, overlap=overlap)
     assert got is out, "gluon_nvfp4_grouped_gemm did not return its out= tensor"
     tol = GLUON_FP32_TOL if out_dtype == torch.float32 else GEMM_TOL
     ref = grouped_gemm_ref(x.float().cpu(), dequantize_nvfp4_ref(w.data.cpu(), w.scales.cpu(),

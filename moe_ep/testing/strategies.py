@@ -114,8 +114,7 @@ def gluon_nvfp4_cases(draw, b: Bounds = TINY):
     """A problem of the Gluon NVFP4-weight grouped GEMM (ragged bf16 x, NVFP4 weights): experts, K a multiple of
     256 (its TMA bound), N not always a multiple of the 64-row tile, per-expert counts (empty experts, several token
     chunks), padding rows of no expert, fp32 / bf16 output, a token-tile hint that fits or not, one or per-expert
-    global scales, and the launch (decode, ring depth, registers, overlap) from the kernel's sweep, or the decode into
-    the MMA's registers (``register_a``: the plain decode, the sweep entry's overlap dropped)."""
+    global scales, and the launch (decode, ring depth, registers, overlap) from the kernel's sweep."""
     from ..kernels.grouped_gemm.gluon_nvfp4 import LAUNCH_SWEEP
     G = draw(st.integers(1, b.experts))
     return dict(G=G, K=256 * draw(st.integers(1, max(1, b.k16 // 16))), N=draw(st.sampled_from([8, 64, 100, 192])),
@@ -123,8 +122,7 @@ def gluon_nvfp4_cases(draw, b: Bounds = TINY):
                 out_dtype=draw(st.sampled_from(["float32", "bfloat16"])), hint=draw(st.sampled_from([None, 1, 16, 64])),
                 one_gs=draw(st.booleans()), scale=draw(st.sampled_from([1.0, 1e-3, 300.0])),
                 zero_frac=draw(st.sampled_from([0.0, 0.3])), fast_decode=draw(st.booleans()),
-                launch=draw(st.integers(0, len(LAUNCH_SWEEP) - 1)), register_a=draw(st.booleans()),
-                seed=draw(_seeds))
+                launch=draw(st.integers(0, len(LAUNCH_SWEEP) - 1)), seed=draw(_seeds))
 
 
 @st.composite

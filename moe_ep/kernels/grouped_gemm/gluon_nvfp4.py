@@ -18,13 +18,6 @@ mbarrier:
   once the MMA is done, and at the end of the K loop multiplies by the expert's ``1 / gs`` (the reference divides
   each weight by gs: the same up to fp32 rounding) and stores the rows of this expert's tokens.
 
-With ``register_a``, the consumer decodes straight into wgmma's register A operand (no A buffer, no shared-memory
-round trip, no barrier per step): the codes are packed once per weight (:func:`pack_register_a_codes`) so that each
-thread's code bytes are contiguous in a ring slot, and are loaded in a layout (:data:`_CODES_LAYOUT`) whose plain
-decode lands every value in the register the MMA reads it from (the compiler's layout conversion to the dot operand
-is then the identity: a compile check sees no A tile stored, no ``ldmatrix`` and no shuffles); the scale bytes are
-loaded broadcast to the codes that use them (:data:`_SCALES_LAYOUT`). Not yet run on a GPU.
-
 With ``overlap``, the A buffer is doubled and a slot is freed one step late, so that each step's MMA runs while the
 next one is decoded. The ring depth and the register budget per token tile (:func:`launch_params`) let 2-3 CTAs
 share an SM at the decode tiles: Triton's own budget for a warp-specialized kernel (256 registers a thread) admits
@@ -168,54 +161,14 @@ def _decode_fast(q, sb, code_layout: gl.constexpr):
     return gl.reshape(gl.join(gl.join(w0, w2), gl.join(w1, w3)), [BN, BK])
 
 
-# The register-A decode's layouts, for the kernel's one shape (64 weight rows, BLOCK_K 256, 4 warps): wgmma's bf16 A
-# operand (``DotOperandLayout(0, acc, k_width=2)``) gives a thread, per 16-wide K block, the pairs k = 2t, 2t + 1 and
-# 2t + 8, 2t + 9 (t = lane % 4) of rows r and r + 8 (r from lane // 4 and the warp): the code bytes t and t + 4 of
-# each 8-byte block. Packed as p = t * 32 + kb * 2 + h for byte c = kb * 8 + h * 4 + t of a 128-byte row chunk
-# (:func:`pack_register_a_codes`), a thread's bytes of a row are 32 contiguous ones.
-_CODES_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(  # the packed codes [64, 128]: p bits 0-4 in registers
-    reg_bases=[[8, 0], [0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 128]))
-_BLOCKS_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(  # the logical codes as [64, 16 blocks, 8 bytes]
-    reg_bases=[[8, 0, 0], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
-    lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
-    block_bases=[], shape=[64, 16, 8]))
-_SCALES_LAYOUT = gl.constexpr(gl.SliceLayout(2, _BLOCKS_LAYOUT))  # [64, 16]: each thread its rows' 16 blocks
-
-
-def pack_register_a_codes(data: torch.Tensor) -> torch.Tensor:
-    """NVFP4 codes ``uint8 [..., K/2]`` (K a multiple of 256) in the register-A kernel's order: within each 128-byte
-    chunk of a row, byte ``c = kb * 8 + h * 4 + t`` (kb < 16, h < 2, t < 4) moves to ``t * 32 + kb * 2 + h``. A
-    permutation (:func:`unpack_register_a_codes` undoes it); made once per weight, a copy of its codes."""
-    *lead, half_k = data.shape
-    return data.reshape(*lead, half_k // 128, 16, 2, 4).movedim(-1, -3).reshape(data.shape).contiguous()
-
-
-def unpack_register_a_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The codes in their linear order again (the inverse of :func:`pack_register_a_codes`)."""
-    *lead, half_k = packed.shape
-    return packed.reshape(*lead, half_k // 128, 4, 16, 2).movedim(-3, -1).reshape(packed.shape).contiguous()
-
-
-@gluon.jit
-def _decode_register_a(q_buf, s_buf, a_layout: gl.constexpr):
-    """A ring slot's packed codes and scale bytes -> the bf16 ``e2m1 * s`` tile [64, 256] in wgmma's A register
-    layout: the same values as :func:`_decode_plain`, each computed in the thread that feeds it to the MMA."""
-    q = gl.reshape(q_buf.load(_CODES_LAYOUT).to(gl.int16), [64, 4, 16, 2])  # [row, t, kb, h]
-    q = gl.convert_layout(gl.reshape(gl.permute(q, (0, 2, 3, 1)), [64, 16, 8]), _BLOCKS_LAYOUT)  # byte kb*8 + h*4 + t
-    s = gl.expand_dims(s_buf.load(_SCALES_LAYOUT).to(gl.float8e4nv, bitcast=True).to(gl.float32), 2)
-    lo = gl.reshape((_fp4_values(q & 0xF) * s).to(gl.bfloat16), [64, 128])  # element 2c of byte c
-    hi = gl.reshape((_fp4_values((q >> 4) & 0xF) * s).to(gl.bfloat16), [64, 128])  # element 2c + 1
-    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [64, 256]), a_layout)
-
-
 @gluon.jit
 def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, empty, S, N, K,
-              BLOCK_T: gl.constexpr, STAGES: gl.constexpr, FAST_DECODE: gl.constexpr, A_BUFFERS: gl.constexpr):
-    """The default warpgroup: decode each slot's codes * scales into the A buffer (``A_BUFFERS`` 0: into wgmma's
-    registers), free the slot, wgmma against x^T; then scale by 1 / gs and store this expert's rows."""
-    BN: gl.constexpr = q_ring.shape[1]
-    BK: gl.constexpr = x_ring.shape[2]
+              BLOCK_T: gl.constexpr, STAGES: gl.constexpr, FAST_DECODE: gl.constexpr):
+    """The default warpgroup: decode each slot's codes * scales into the A buffer, free the slot, wgmma against x^T;
+    then scale by 1 / gs and store this expert's rows."""
+    BN: gl.constexpr = a_smem.shape[1]
+    BK: gl.constexpr = a_smem.shape[2]
+    A_BUFFERS: gl.constexpr = a_smem.shape[0]
     # a thread holds 8 code bytes (16 values: one scale block) of a row, and the matching scale byte
     code_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
@@ -236,22 +189,17 @@ def _consumer(gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, 
         for k0 in range(0, K, BK):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            if A_BUFFERS == 0:
-                a_op = _decode_register_a(q_ring.index(slot), s_ring.index(slot),
-                                          gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
-                acc = warpgroup_mma(a_op, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+            q = q_ring.index(slot).load(code_layout)  # [BN, BK/2]
+            sb = s_ring.index(slot).load(scale_layout)  # [BN, BK/16]
+            if FAST_DECODE:
+                w = _decode_fast(q, sb, code_layout)
             else:
-                q = q_ring.index(slot).load(code_layout)  # [BN, BK/2]
-                sb = s_ring.index(slot).load(scale_layout)  # [BN, BK/16]
-                if FAST_DECODE:
-                    w = _decode_fast(q, sb, code_layout)
-                else:
-                    w = _decode_plain(q, sb, code_layout)
-                a_buf = a_smem.index(i % A_BUFFERS)
-                a_buf.store(w)
-                fence_async_shared()
-                _cta_barrier()  # every warp's part of A is written before the MMA reads it
-                acc = warpgroup_mma(a_buf, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+                w = _decode_plain(q, sb, code_layout)
+            a_buf = a_smem.index(i % A_BUFFERS)
+            a_buf.store(w)
+            fence_async_shared()
+            _cta_barrier()  # every warp's part of A is written before the MMA reads it
+            acc = warpgroup_mma(a_buf, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
             if A_BUFFERS == 2:  # the MMA runs on while the next slot is decoded into the other A buffer
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 # step i - 1's MMA is done: its slot is free (a chunk's first step has no step before it)
@@ -278,11 +226,8 @@ def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N,
     q_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 2], q_desc.layout)
     s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, BK // 16], s_desc.layout)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, BK], x_desc.layout)
-    if A_BUFFERS == 0:  # register A: a few bytes standing in for the buffer in the partition's arguments, never read
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 1, 8], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    else:
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [A_BUFFERS, BN, BK], a_layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [A_BUFFERS, BN, BK], a_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
@@ -291,7 +236,7 @@ def _gluon_nvfp4_kernel(q_desc, s_desc, x_desc, gs_ptr, out_ptr, offs_ptr, S, N,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (gs_ptr, out_ptr, offs_ptr, q_ring, s_ring, x_ring, a_smem, ready, empty, S, N, K, BLOCK_T,
-                     STAGES, FAST_DECODE, A_BUFFERS)),
+                     STAGES, FAST_DECODE)),
         (_producer, (q_desc, s_desc, x_desc, offs_ptr, q_ring, s_ring, x_ring, ready, empty, S, N, K, BLOCK_T,
                      STAGES)),
     ], [1], [24])
@@ -308,8 +253,7 @@ def unavailable_reason() -> str | None:
 
 def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                       stages: int | None = None, maxnreg: int | None = None, overlap: bool = False,
-                      tokens_per_expert: int | None = None, fast_decode: bool = True, register_a: bool = False,
-                      codes: torch.Tensor | None = None) -> None:
+                      tokens_per_expert: int | None = None, fast_decode: bool = True) -> None:
     """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_nvfp4_grouped_gemm` takes."""
     check(isinstance(w, NvFp4Tensor), "type(w)", type(w).__name__, "an NvFp4Tensor [G, N, K]")
     w.check("w")
@@ -336,17 +280,7 @@ def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, ou
           "tokens_per_expert", tokens_per_expert, "None or a positive int")
     check(not overlap or stages is None or stages >= 2, "stages", stages,
           ">= 2 with overlap (a slot is freed a step late)")
-    check(register_a in (False, True), "register_a", register_a, "True or False")
     check(fast_decode in (False, True), "fast_decode", fast_decode, "True or False")
-    check(not (register_a and fast_decode), "fast_decode", fast_decode,
-          "False with register_a (the register-A decode is the plain one)")
-    check(not (register_a and overlap), "overlap", overlap, "False with register_a (there is no A buffer to double)")
-    check(codes is None or register_a, "codes", "a tensor", "None without register_a (the linear codes are w's)")
-    if codes is not None:
-        got = f"{getattr(codes, 'dtype', type(codes).__name__)} {tuple(getattr(codes, 'shape', ()))}"
-        check(isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8
-              and tuple(codes.shape) == tuple(w.data.shape) and codes.device == w.device, "codes", got,
-              f"uint8 {tuple(w.data.shape)} on {w.device} (pack_register_a_codes(w.data))")
     check(x.shape[0] < 2**31, "x.shape[0] (S)", x.shape[0], "< 2^31")
     check(x.device == w.device and x.device.type == "cuda", "x.device", str(x.device),
           f"a CUDA device, the weights' ({w.device})")
@@ -356,8 +290,7 @@ def check_gluon_nvfp4(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, ou
 def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, *,
                              out_dtype: torch.dtype = torch.bfloat16, tokens_per_expert: int | None = None,
                              out: torch.Tensor | None = None, fast_decode: bool = True, stages: int | None = None,
-                             maxnreg: int | None = None, overlap: bool = False, register_a: bool = False,
-                             codes: torch.Tensor | None = None) -> torch.Tensor:
+                             maxnreg: int | None = None, overlap: bool = False) -> torch.Tensor:
     """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
 
     ``x``: bf16 ``[S, K]`` sorted by expert (CUDA; a contiguous copy is made of a strided one). ``w``:
@@ -369,13 +302,10 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     over its weights, never a wrong answer. ``fast_decode``: decode by the tl kernel's inline PTX (bf16x2 fma; the
     default) or by plain fp32 ops (the simpler decode, the same values). ``stages`` (ring depth, >= 1) and ``maxnreg``
     (registers per thread) override :func:`launch_params` (the benchmark sweeps them). ``overlap``: two A buffers, so
-    that each step's MMA runs while the next step is decoded (32 KB more shared memory; stages >= 2). ``register_a``:
-    decode into wgmma's register A operand (module docstring; the plain decode, no A buffer, no overlap), from
-    ``codes``: ``pack_register_a_codes(w.data)``, made once per weight (None: packed on this call, a copy of the codes
-    each time). Bad arguments raise :class:`MoEEpInputError`.
+    that each step's MMA runs while the next step is decoded (32 KB more shared memory; stages >= 2). Bad arguments
+    raise :class:`MoEEpInputError`.
     """
-    check_gluon_nvfp4(x, w, offsets, out_dtype, stages, maxnreg, overlap, tokens_per_expert, fast_decode, register_a,
-                      codes)
+    check_gluon_nvfp4(x, w, offsets, out_dtype, stages, maxnreg, overlap, tokens_per_expert, fast_decode)
     G, N, K = w.shape
     S = x.shape[0]
     if out is None:
@@ -396,9 +326,7 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     x = x.contiguous()
     if x.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         x = x.clone()
-    if register_a and codes is None:
-        codes = pack_register_a_codes(w.data)
-    codes = (codes if register_a else w.data).contiguous().view(G * N, K // 2)
+    codes = w.data.contiguous().view(G * N, K // 2)
     scales = w.scales.contiguous().view(torch.uint8).view(G * N, K // 16)
     gs = w.global_scale.reshape(-1).float().expand(G).contiguous()
     lay = shared_layouts(block_t)
@@ -408,18 +336,12 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     grid = (math.ceil(N / BLOCK_N), G)
     regs = {} if maxnreg is None else {"maxnreg": maxnreg}
     _gluon_nvfp4_kernel[grid](q_desc, s_desc, x_desc, gs, out, offsets, S, N, K, BLOCK_T=block_t, STAGES=stages,
-                              FAST_DECODE=bool(fast_decode), A_BUFFERS=_a_buffers(overlap, register_a), num_warps=4,
-                              **regs)
+                              FAST_DECODE=bool(fast_decode), A_BUFFERS=2 if overlap else 1, num_warps=4, **regs)
     return out
 
 
-def _a_buffers(overlap: bool, register_a: bool) -> int:
-    """The kernel's ``A_BUFFERS``: 0 (register A), 1, or 2 (overlap)."""
-    return 0 if register_a else 2 if overlap else 1
-
-
 def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True,
-                      overlap: bool = False, register_a: bool = False) -> tuple[dict, dict, dict]:
+                      overlap: bool = False) -> tuple[dict, dict, dict]:
     """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_kernel` at a token tile's
     :func:`launch_params`, for a GPU-less ``triton.compile`` (compile checks)."""
     stages, maxnreg = launch_params(block_t)
@@ -429,10 +351,8 @@ def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True,
            "x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "gs_ptr": "*fp32", "out_ptr": f"*{out}", "offs_ptr": "*i32", "S": "i32", "N": "i32", "K": "i32",
            "BLOCK_T": "constexpr", "STAGES": "constexpr", "FAST_DECODE": "constexpr", "A_BUFFERS": "constexpr"}
-    return (sig, {"BLOCK_T": block_t, "STAGES": stages, "FAST_DECODE": fast_decode,
-                  "A_BUFFERS": _a_buffers(overlap, register_a)},
+    return (sig, {"BLOCK_T": block_t, "STAGES": stages, "FAST_DECODE": fast_decode, "A_BUFFERS": 2 if overlap else 1},
             dict(num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
-__all__ = ["gluon_nvfp4_grouped_gemm", "check_gluon_nvfp4", "unavailable_reason", "token_tile", "K_MULTIPLE",
-           "pack_register_a_codes", "unpack_register_a_codes"]
+__all__ = ["gluon_nvfp4_grouped_gemm", "check_gluon_nvfp4", "unavailable_reason", "token_tile", "K_MULTIPLE"]
