@@ -138,9 +138,11 @@ def check_quantize_tokens(c: dict, dev) -> None:
     company[1] = float("nan")
     q2 = nvfp4.quantize_nvfp4_tokens(company.to(dev), static)
     for part in ("data", "scales", "global_scale"):
-        assert_bits_equal(getattr(q2, part)[0], getattr(q, part)[0], f"row 0's {part} in other company (batch variance)")
+        assert_bits_equal(getattr(q2, part)[0], getattr(q, part)[0],
+                          f"row 0's {part} in other company (batch variance)")
     if static is None:  # a NaN token: codes 0 and a NaN scale, so it comes out NaN, not finite
-        assert bool(torch.isnan(q2.global_scale[1].cpu())) and not bool(q2.data[1].any()), "NaN token: NaN scale, codes 0"
+        assert bool(torch.isnan(q2.global_scale[1].cpu())) and not bool(q2.data[1].any()), \
+            "NaN token: NaN scale, codes 0"
 
 
 # --- grouped GEMM ------------------------------------------------------------------------------------------
