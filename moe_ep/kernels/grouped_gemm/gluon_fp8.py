@@ -17,13 +17,13 @@ once, so every K step issues its MMA, waits, and promotes while the tensor core 
   w tile ``[BLOCK_N, 128]`` into a ``STAGES``-deep ring of shared-memory slots, each with a "ready" and an "empty"
   mbarrier. The x tile is loaded as one 64-row box per math warpgroup, into a ring of ``STAGES * CONSUMERS`` boxes
   (slot s, warpgroup wg: box ``s * CONSUMERS + wg``): a TMA box's and a shared buffer's tile dimensions must be powers
-  of two (a buffer's leading, ring dimension need not), so a tile of any number of warpgroups' rows is loaded alike.
-  The slot's ready barrier expects every box's bytes and the w tile's; a box wholly past M is TMA's zero fill and
-  counts its bytes all the same;
-- ``CONSUMERS`` math warpgroups (the default partition and, with two, a worker partition running the same code) each
-  own 64 rows of the ``64 * CONSUMERS``-row tile, read their x box and the shared w tile by ``warpgroup_mma``,
-  promote, and free the slot (the empty barrier counts one arrival per consumer, so neither waits for the other:
-  while one promotes, the other's MMA runs). ``OVERLAP`` also keeps a second K block's MMA in flight while the
+  of two (a buffer's leading, ring dimension need not), and a three-warpgroup tile's 192 rows are not. The slot's
+  ready barrier expects every box's bytes and the w tile's; a box wholly past M is TMA's zero fill and counts its
+  bytes all the same;
+- ``CONSUMERS`` math warpgroups (the default partition and, with two or three, one or two worker partitions running
+  the same code) each own 64 rows of the ``64 * CONSUMERS``-row tile, read their x box and the shared w tile by
+  ``warpgroup_mma``, promote, and free the slot (the empty barrier counts one arrival per consumer, so none waits for
+  another: while one promotes, another's MMA runs). ``OVERLAP`` also keeps a second K block's MMA in flight while the
   previous one is promoted, within one warpgroup (two product buffers, each MMA writing into the registers of a
   product already promoted; the K loop's body is a group of ``2 * PAIRS`` blocks that ends with nothing in flight,
   so that no in-flight product is carried over the loop's back edge, and the producer pads K with zero blocks to
@@ -36,7 +36,12 @@ device-side offsets alone (no host sync); empty experts own no tiles. Row tiles 
 likewise. K need not be a multiple of 128 (TMA fills the last block's columns past K with zeros), but TMA needs
 16-byte row strides: K a multiple of 16.
 
-Named variants (:data:`VARIANTS`) choose the consumers and the overlap.
+Named variants (:data:`VARIANTS`) choose the consumers, the overlap, the tile's columns and the ring's depth. A taller
+tile reads each w tile once for more rows: three warpgroups on 192 x 128 tiles (``coop3``) load (192 + 128) * 128
+bytes per 192 x 128 x 128 block product, a sixth fewer bytes per FLOP than two on 128 x 128 (``coop``). Four
+warpgroups share the 64K registers a CTA has: each math worker gets 160 a thread, the producer 24 and the default
+partition the remaining 168, room for a warpgroup's 64 x 128 fp32 sums and product (128 registers); OVERLAP's second
+product, and GEMM1's form (which also keeps the first pass's SwiGLU values), spill there.
 
 GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
 gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
@@ -77,11 +82,14 @@ VARIANTS = {
     "coop": (2, False, 128, 4),  # two warpgroups on one 128 x 128 tile; each waits for its MMA, then promotes
     "coop_overlap": (2, True, 64, 6),  # two warpgroups on 128 x 64 tiles, each with a second MMA in flight
     "single_overlap": (1, True, 64, 8),  # one warpgroup on 64 x 64 tiles, a second MMA in flight
+    "coop3": (3, False, 128, 5),  # three warpgroups on one 192 x 128 tile: fewer w bytes per FLOP than coop's
 }
 """Variant name -> (CONSUMERS, OVERLAP, BLOCK_N, STAGES). A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes:
-CONSUMERS x boxes of 64 rows and the w tile (128-144 KB of shared memory at these depths). With OVERLAP a warpgroup
-holds two products besides its accumulator: at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64,
-none do (compile checks)."""
+CONSUMERS x boxes of 64 rows and the w tile (128-200 KB of shared memory at these depths; coop3's 40 KB slots fit
+five deep in the 227 KB an sm_90 block may use, not six). With OVERLAP a warpgroup holds two products besides its
+accumulator: at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64, none do with two warpgroups
+(compile checks). coop3's math warpgroups get 160-168 registers a thread (module docstring), too few for OVERLAP.
+GEMM2's form only: GEMM1's variants are :data:`SWIGLU_VARIANTS`."""
 DEFAULT_VARIANT = "coop"
 
 SWIGLU_VARIANTS = {
@@ -341,8 +349,8 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
     gl.static_assert(128 % BN == 0, "the tile's weight rows lie in one 128-row scale block")
     gl.static_assert(not SWIGLU or (BN == 128 and not OVERLAP and not HAS_RS),
                      "GEMM1: one 128-channel scale block a tile, one product in flight, no routing weight")
-    # a slot's x tile as one 64-row box per math warpgroup (entries slot * CONSUMERS + wg), so that a tile of any
-    # number of warpgroups' rows is loaded alike (a TMA box's rows and a shared buffer's tile rows are powers of two)
+    # a slot's x tile as one 64-row box per math warpgroup (entries slot * CONSUMERS + wg): a 192-row tile is no power
+    # of two, which a TMA box's rows and a shared buffer's tile rows must be
     x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * CONSUMERS, _WG_ROWS, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -351,7 +359,22 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=CONSUMERS)  # each math warpgroup frees the slot once
     fence_async_shared()
-    if CONSUMERS == 2:
+    # registers a thread (64K a CTA): the producer's warp, padded to a warpgroup, gives back all but 24, and the
+    # default partition (math warpgroup 0) gets what the worker partitions leave (Triton's warp-group allocation)
+    if CONSUMERS == 3:
+        # 4 warpgroups: 128 registers each at launch; 168 (default) + 2 x 160 + 24 = 512, and a math warpgroup's
+        # 64 x 128 sums and product (128 registers) fit
+        gl.warp_specialize([
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, 2, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
+            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, CONSUMERS,
+                         STAGES, OVERLAP, SWIGLU)),
+        ], [4, 4, 1], [160, 160, 24])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
                          N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
