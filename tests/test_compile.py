@@ -225,22 +225,25 @@ for fn, sig, const, opts in checks:
     # a thread's registers: the launch's maxnreg, else what 64K registers split over the CTA's threads allow
     limit = min(opts.get("maxnreg") or 255, 255, 65536 // (32 * warps) // 8 * 8)
     assert stores == loads == 0 and regs <= limit, (const, opts, warps, regs, limit, stores, loads)
+    # shared memory: at most the 227 KB an sm_90 block may use (more fails at launch, on the GPU only)
+    assert k.metadata.shared <= 232448, (const, opts, k.metadata.shared)
     # ptxas serializes wgmma (waits after each) where it cannot prove the async accumulators untouched, and says so
     assert "wgmma" not in log, (const, log)
-print(f"gluon registers: {len(checks)} variants within their register limits, no spills")
+print(f"gluon registers: {len(checks)} variants within their register and shared-memory limits, no spills")
 """
 
 
 def test_gluon_nvfp4_variants_build_for_sm90a_without_spills():
     """Every Gluon NVFP4 GEMM variant of the compile table, built for sm_90a at its launch's warps and registers:
     ptxas -v reports no spill bytes and at most the registers a thread may hold (maxnreg, or 64K over the CTA's
-    threads): a variant that spills its accumulators or decode registers would be slow on the H200, not wrong."""
+    threads): a variant that spills its accumulators or decode registers would be slow on the H200, not wrong. And
+    the kernel takes at most the shared memory an sm_90 block may use."""
     assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_nvfp4")
 
 
 def test_gluon_fp8_variants_build_for_sm90a_without_spills():
     """Every Gluon FP8 GEMM variant (and with / without the row scale), built for sm_90a as a launch builds it: no
-    spill bytes, at most the registers a thread may hold, and no wgmma serialization warning from ptxas (an MMA that
-    could not run asynchronously would leave the tensor core idle through each promotion, the thing this kernel is
-    for)."""
+    spill bytes, at most the registers a thread may hold, at most the shared memory a block may use (227 KB: the
+    ring's depth is chosen against it), and no wgmma serialization warning from ptxas (an MMA that could not run
+    asynchronously would leave the tensor core idle through each promotion, the thing this kernel is for)."""
     assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_fp8")
