@@ -7,6 +7,8 @@
 #       tests:"PYTEST ARGS" (some test files), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
+#       fp8_gemms (benchmarks/bench_gluon_fp8.py: every Gluon FP8 variant of both forms beside the tl FP8 and bf16
+#       kernels, prefill shapes; its two tables printed whole),
 #       layer (bench_layer.py, with its cProfile reports of the eager and the replayed forward).
 # WORKERS (default 16): pytest-xdist workers of suite and tests steps; fewer where a few test files with large
 # shapes run side by side (tests/test_gluon_fp8.py's benchmark shapes take several GiB each: -n 16 of them alone
@@ -47,6 +49,9 @@ for step in "$@"; do
     gluon_bench)
       timeout "$(left)" python3 benchmarks/bench_gluon_nvfp4.py --out "$out/gluon.json" > "$out/gluon_bench.log" 2>&1
       summary gluon_bench $? "$out/gluon_bench.log"; tail -12 "$out/gluon_bench.log" ;;
+    fp8_gemms)
+      timeout "$(left)" python3 benchmarks/bench_gluon_fp8.py --out "$out/gluon_fp8.json" > "$out/fp8_gemms.log" 2>&1
+      summary fp8_gemms $? "$out/fp8_gemms.log"; tail -19 "$out/fp8_gemms.log" ;;
     layer)
       timeout "$(left)" python3 benchmarks/bench_layer.py --out "$out/layer.json" --profile "$out/layer_profile" \
         > "$out/layer.log" 2>&1
