@@ -13,17 +13,12 @@ promotion, so the tensor core's reduced-precision FP8 accumulation never spans m
 Why Gluon: in ``triton.language`` a block's product comes from a zero-initialised ``tl.dot`` that is waited on at
 once, so every K step issues its MMA, waits, and promotes while the tensor core idles. Here the partitions are:
 
-- a producer (1 warp, padded to a warpgroup by Triton) TMA-loads each K step's x tile ``[64 * CONSUMERS, 128]`` and
-  w tile ``[BLOCK_N, 128]`` into a ``STAGES``-deep ring of shared-memory slots, each with a "ready" and an "empty"
-  mbarrier. The x tile is loaded as one 64-row box per math warpgroup, into a ring of ``STAGES * CONSUMERS`` boxes
-  (slot s, warpgroup wg: box ``s * CONSUMERS + wg``): a TMA box's and a shared buffer's tile dimensions must be powers
-  of two (a buffer's leading, ring dimension need not), and a three-warpgroup tile's 192 rows are not. The slot's
-  ready barrier expects every box's bytes and the w tile's; a box wholly past M is TMA's zero fill and counts its
-  bytes all the same;
-- ``CONSUMERS`` math warpgroups (the default partition and, with two or three, one or two worker partitions running
-  the same code) each own 64 rows of the ``64 * CONSUMERS``-row tile, read their x box and the shared w tile by
-  ``warpgroup_mma``, promote, and free the slot (the empty barrier counts one arrival per consumer, so none waits for
-  another: while one promotes, another's MMA runs). ``OVERLAP`` also keeps a second K block's MMA in flight while the
+- a producer (1 warp, padded to a warpgroup by Triton) TMA-loads each K step's x tile ``[BLOCK_M, 128]`` and w tile
+  ``[BLOCK_N, 128]`` into a ``STAGES``-deep ring of shared-memory slots, each with a "ready" and an "empty" mbarrier;
+- ``CONSUMERS`` math warpgroups (the default partition and, with two, a worker partition running the same code) each
+  own 64 rows of the ``64 * CONSUMERS``-row tile, read the slot's x rows and the shared w tile by ``warpgroup_mma``,
+  promote, and free the slot (the empty barrier counts one arrival per consumer, so neither waits for the other:
+  while one promotes, the other's MMA runs). ``OVERLAP`` also keeps a second K block's MMA in flight while the
   previous one is promoted, within one warpgroup (two product buffers, each MMA writing into the registers of a
   product already promoted; the K loop's body is a group of ``2 * PAIRS`` blocks that ends with nothing in flight,
   so that no in-flight product is carried over the loop's back edge, and the producer pads K with zero blocks to
@@ -36,12 +31,7 @@ device-side offsets alone (no host sync); empty experts own no tiles. Row tiles 
 likewise. K need not be a multiple of 128 (TMA fills the last block's columns past K with zeros), but TMA needs
 16-byte row strides: K a multiple of 16.
 
-Named variants (:data:`VARIANTS`) choose the consumers, the overlap, the tile's columns and the ring's depth. A taller
-tile reads each w tile once for more rows: three warpgroups on 192 x 128 tiles (``coop3``) load (192 + 128) * 128
-bytes per 192 x 128 x 128 block product, a sixth fewer bytes per FLOP than two on 128 x 128 (``coop``). Four
-warpgroups share the 64K registers a CTA has: each math worker gets 160 a thread, the producer 24 and the default
-partition the remaining 168, room for a warpgroup's 64 x 128 fp32 sums and product (128 registers); OVERLAP's second
-product, and GEMM1's form (which also keeps the first pass's SwiGLU values), spill there.
+Named variants (:data:`VARIANTS`) choose the consumers and the overlap.
 
 GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
 gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
@@ -82,14 +72,10 @@ VARIANTS = {
     "coop": (2, False, 128, 4),  # two warpgroups on one 128 x 128 tile; each waits for its MMA, then promotes
     "coop_overlap": (2, True, 64, 6),  # two warpgroups on 128 x 64 tiles, each with a second MMA in flight
     "single_overlap": (1, True, 64, 8),  # one warpgroup on 64 x 64 tiles, a second MMA in flight
-    "coop3": (3, False, 128, 5),  # three warpgroups on one 192 x 128 tile: fewer w bytes per FLOP than coop's
 }
-"""Variant name -> (CONSUMERS, OVERLAP, BLOCK_N, STAGES). A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes:
-CONSUMERS x boxes of 64 rows and the w tile (128-200 KB of shared memory at these depths; coop3's 40 KB slots fit
-five deep in the 227 KB an sm_90 block may use, not six). With OVERLAP a warpgroup holds two products besides its
-accumulator: at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64, none do with two warpgroups
-(compile checks). coop3's math warpgroups get 160-168 registers a thread (module docstring), too few for OVERLAP.
-GEMM2's form only: GEMM1's variants are :data:`SWIGLU_VARIANTS`."""
+"""Variant name -> (CONSUMERS, OVERLAP, BLOCK_N, STAGES). A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes
+(128-144 KB of shared memory at these depths). With OVERLAP a warpgroup holds two products besides its accumulator:
+at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64, none do (compile checks)."""
 DEFAULT_VARIANT = "coop"
 
 SWIGLU_VARIANTS = {
@@ -108,10 +94,9 @@ DEFAULT_SWIGLU_VARIANT = "coop"
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
-def shared_layouts(block_n: int) -> dict:
-    """The NVMMA shared layouts of the x boxes (one warpgroup's 64 rows) and the w tiles of the ring (also the compile
-    check's descriptor types)."""
-    return {"x": gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_K], gl.float8e4nv),
+def shared_layouts(block_m: int, block_n: int) -> dict:
+    """The NVMMA shared layouts of the x and w ring slots (also the compile check's descriptor types)."""
+    return {"x": gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float8e4nv),
             "w": gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.float8e4nv)}
 
 
@@ -141,16 +126,15 @@ def _k_steps(K, BK: gl.constexpr, OVERLAP: gl.constexpr):
 
 @gluon.jit
 def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
-              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr):
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr):
     """1 warp: for every tile of this program (and with SWIGLU each of its two passes), fill ring slot i % STAGES with
-    K step i's x boxes (one of 64 rows per consumer, into x ring entries ``slot * CONSUMERS + wg``) and w tile once
-    every consumer freed it (:func:`_k_steps` of them a pass). SWIGLU: w is ``[G * 2N, K]`` (gate rows, then up
-    rows), and a slot's w tile is the pass's gate rows over its up rows."""
-    BM: gl.constexpr = _WG_ROWS * CONSUMERS
+    K step i's x and w tiles once every consumer freed it (:func:`_k_steps` of them a pass). SWIGLU: w is
+    ``[G * 2N, K]`` (gate rows, then up rows), and a slot's w tile is the pass's gate rows over its up rows."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_ring.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     HALF: gl.constexpr = BN // 2
-    nbytes: gl.constexpr = CONSUMERS * x_desc.block_type.nbytes + BN * BK  # e4m3: a byte an element
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + BN * BK  # e4m3: a byte an element
     PASSES: gl.constexpr = 2 if SWIGLU else 1
     pid = gl.program_id(0)
     P = gl.num_programs(0)
@@ -173,9 +157,7 @@ def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G
                     mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
                     bar = ready.index(slot)
                     mbarrier.expect(bar, nbytes)
-                    # a box wholly past M is TMA's zero fill, and still counts its bytes on the barrier
-                    for wg in gl.static_range(CONSUMERS):
-                        _tma_load(x_desc, [row0 + wg * _WG_ROWS, ks * BK], bar, x_ring.index(slot * CONSUMERS + wg))
+                    _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
                     if SWIGLU:
                         gate = g * 2 * N + n0 + p * HALF  # row of the [G * 2N, K] weight view
                         _tma_load(w_desc, [gate, ks * BK], bar, w_ring.index(slot).slice(0, HALF, dim=0))
@@ -213,13 +195,12 @@ def _scaled(d, s, s_up, up_cols, SWIGLU: gl.constexpr):
 
 @gluon.jit
 def _mma_step(x_ring, w_ring, ready, i, spare, WG: gl.constexpr, STAGES: gl.constexpr):
-    """Wait for ring slot i % STAGES and issue this warpgroup's MMA of it (its 64-row x box times the w tile^T),
+    """Wait for ring slot i % STAGES and issue this warpgroup's MMA of it (its 64 x rows times the w tile^T),
     asynchronously, its product summed on its own (``use_acc=False``) into the registers of ``spare`` (a product
     already promoted: reusing its registers keeps a dead buffer from being copied or a zero tile from staying live)."""
-    CONSUMERS: gl.constexpr = x_ring.shape[0] // STAGES  # x boxes a slot
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-    a = x_ring.index(slot * CONSUMERS + WG)
+    a = x_ring.index(slot).slice(WG * spare.shape[0], spare.shape[0], dim=0)
     b = w_ring.index(slot).permute((1, 0))
     return warpgroup_mma(a, b, spare, use_acc=False, is_async=True)
 
@@ -342,16 +323,15 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
                       SWIGLU: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). N: the output's
     columns (GEMM1: I, of w's 2I rows per expert)."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     # GEMM1: a slot's w tile is the gate and up boxes stacked
     BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU else 1)
-    gl.static_assert(x_desc.block_type.shape[0] == _WG_ROWS, "x's box: one math warpgroup's 64 rows")
+    gl.static_assert(BM == _WG_ROWS * CONSUMERS, "a math warpgroup per 64 tile rows")
     gl.static_assert(128 % BN == 0, "the tile's weight rows lie in one 128-row scale block")
     gl.static_assert(not SWIGLU or (BN == 128 and not OVERLAP and not HAS_RS),
                      "GEMM1: one 128-channel scale block a tile, one product in flight, no routing weight")
-    # a slot's x tile as one 64-row box per math warpgroup (entries slot * CONSUMERS + wg): a 192-row tile is no power
-    # of two, which a TMA box's rows and a shared buffer's tile rows must be
-    x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * CONSUMERS, _WG_ROWS, BK], x_desc.layout)
+    x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -359,36 +339,21 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=CONSUMERS)  # each math warpgroup frees the slot once
     fence_async_shared()
-    # registers a thread (64K a CTA): the producer's warp, padded to a warpgroup, gives back all but 24, and the
-    # default partition (math warpgroup 0) gets what the worker partitions leave (Triton's warp-group allocation)
-    if CONSUMERS == 3:
-        # 4 warpgroups: 128 registers each at launch; 168 (default) + 2 x 160 + 24 = 512, and a math warpgroup's
-        # 64 x 128 sums and product (128 registers) fit
+    if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
                          N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
                          N_TILES, 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
-                         N_TILES, 2, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
-            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, CONSUMERS,
-                         STAGES, OVERLAP, SWIGLU)),
-        ], [4, 4, 1], [160, 160, 24])
-    elif CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
-                         N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
-                         N_TILES, 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
-            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, CONSUMERS,
-                         STAGES, OVERLAP, SWIGLU)),
+            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
+                         OVERLAP, SWIGLU)),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
                          N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
-            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, CONSUMERS,
-                         STAGES, OVERLAP, SWIGLU)),
+            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
+                         OVERLAP, SWIGLU)),
         ], [1], [24])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
@@ -513,15 +478,16 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     entry points below): x codes ``xq [M, K]`` e4m3 and scales ``xs``, w codes ``wq [G, R, K]`` and scales ``ws``,
     int32 ``offsets [G + 1]``, ``out`` (bf16 ``[M, N]``, or with ``swiglu`` e4m3 ``[M, R / 2]`` and its scales
     ``out_scales``), ``variant`` of :data:`VARIANTS` (with ``swiglu``, :data:`SWIGLU_VARIANTS`), the persistent grid
-    ``num_programs``. Descriptors over x ``[M, K]`` (a box of one math warpgroup's 64 rows) and w ``[G * R, K]``
-    (GEMM1's w box is half a slot: the gate box and the up box fill one)."""
+    ``num_programs``. Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box
+    and the up box fill one)."""
     consumers, overlap, block_n, stages = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    block_m = WG_ROWS * consumers
     G, R, K = wq.shape
     xq = xq.contiguous()
     if xq.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         xq = xq.clone()
-    lay = shared_layouts(block_n)
-    x_desc = TensorDescriptor.from_tensor(xq, [WG_ROWS, BLOCK_K], lay["x"])
+    lay = shared_layouts(block_m, block_n)
+    x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
     w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,
                                                                           BLOCK_K], lay["w"])
     xs = xs.contiguous()
@@ -605,8 +571,9 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
     with ``swiglu`` of :data:`SWIGLU_VARIANTS`), as a launch builds it, for a GPU-less ``triton.compile`` (compile
     checks)."""
     consumers, overlap, block_n, stages = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
-    lay = shared_layouts(block_n)
-    sig = {"x_desc": f"tensordesc<fp8e4nv[{WG_ROWS}, {BLOCK_K}],{lay['x']!r}>",
+    block_m = WG_ROWS * consumers
+    lay = shared_layouts(block_m, block_n)
+    sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, {BLOCK_K}],{lay['x']!r}>",
            "w_desc": f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>",
            "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": "*fp8e4nv" if swiglu else "*bf16",
            "os_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
