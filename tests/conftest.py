@@ -1,5 +1,7 @@
 """Test setup: moe_ep first (it picks the interpreter without a GPU), hypothesis profiles, markers."""
 
+import importlib
+import importlib.util
 import os
 import tempfile
 
@@ -13,6 +15,17 @@ import torch
 from hypothesis import settings
 
 from moe_ep.testing.profiles import CI, register_profiles
+
+# Hypothesis imports some of its modules lazily, in the middle of a test's search (the optimiser when a test reports
+# a target, ...), and pytest rewrites them as it imports them (hypothesis is a pytest plugin). There, deep in the
+# test's stack, CPython 3.11's compile() can fail with "SystemError: AST constructor recursion depth mismatch" (a
+# CPython bug: python/cpython#106905, pytest-dev/pytest#10763), failing the test: imported here, at the top, instead.
+for _lazy in ("hypothesis.internal.conjecture.optimiser", "hypothesis.internal.conjecture.pareto",
+              "hypothesis.internal.conjecture.datatree", "hypothesis.internal.conjecture.providers",
+              "hypothesis.internal.observability", "hypothesis.internal.entropy", "hypothesis.database",
+              "hypothesis.vendor.pretty"):
+    if importlib.util.find_spec(_lazy) is not None:  # (the names of one hypothesis release: others may differ)
+        importlib.import_module(_lazy)
 
 register_profiles()
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", CI))
