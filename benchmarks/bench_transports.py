@@ -50,7 +50,7 @@ def raw_step(t):
     from the same user inputs (int64 ids: NIXL-EP takes only its int32 ``topk_idx_t``, so the raw caller
     converts them too, as the wrapper does)."""
     if t.name == "nixl_ep":
-        B, _idx, w, handle = t._last
+        B, _idx, w, handle, _out = t._last
         buf, x, ids = t.buffer, t._x, t._idx_in
         T, E = t.config.max_tokens_per_rank, t.config.num_experts
         y, out = t._y, t.out[:B]
@@ -90,7 +90,7 @@ def own_host_us(t, wrapper, iters):
     attr = "buffer" if t.name == "nixl_ep" else "handle"
     real = getattr(t, attr)
     if t.name == "nixl_ep":
-        B, _idx, _w, handle = t._last
+        B, _idx, _w, handle, _out = t._last
         res = t.dispatch(t._x, t._idx_in, t._w_in)
         tok = (res.tokens.data, res.tokens.scales) if t.fp8 else res.tokens  # what the library hands back
         returns = {"low_latency_dispatch": (tok, res.expert_counts, handle, None, None),

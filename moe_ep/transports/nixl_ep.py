@@ -118,7 +118,15 @@ class NixlEpTransport:
         # FP8: the received scales, contiguous (the library's are column-major in their last two dims)
         self._scales = torch.zeros(self.L, world_size * T, fp8_row_scales(H), dtype=torch.float32,
                                    device=self.device) if self.fp8 else None
+        self._rows = {}  # B -> the staging and output views of B rows (made once: a slice costs what a check does)
         self._last = None
+
+    def _views(self, B: int) -> tuple:
+        """(ids staging, weights staging, output) views of their first ``B`` rows."""
+        v = self._rows.get(B)
+        if v is None:
+            v = self._rows[B] = (self._idx[:B], self._w[:B], self.out[:B])
+        return v
 
     def dispatch(self, hidden_states: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> LowLatencyExpertMajor:
@@ -137,13 +145,14 @@ class NixlEpTransport:
             fail("hidden_states", f"{tuple(x.shape)} {x.dtype}", f"bf16 [B, H] with B <= {c.max_tokens_per_rank}")
         if topk_idx.shape != (B, c.top_k):
             fail("topk_idx.shape", tuple(topk_idx.shape), f"({B}, {c.top_k})")
+        idx_rows, w_rows, out = self._views(B)
         idx = topk_idx.contiguous() if topk_idx.dtype == self.nixl.topk_idx_t else \
-            self._idx[:B].copy_(topk_idx)          # staged: nixl_ep_cu13.topk_idx_t (int32 in 1.5.1)
-        w = topk_weights.contiguous() if topk_weights.dtype == torch.float32 else self._w[:B].copy_(topk_weights)
+            idx_rows.copy_(topk_idx)          # staged: nixl_ep_cu13.topk_idx_t (int32 in 1.5.1)
+        w = topk_weights.contiguous() if topk_weights.dtype == torch.float32 else w_rows.copy_(topk_weights)
         recv_x, recv_count, handle, _event, _hook = self.buffer.low_latency_dispatch(
             x.contiguous(), idx, c.max_tokens_per_rank, c.num_experts, use_fp8=self.fp8, round_scale=False,
             use_ue8m0=False, async_finish=False, return_recv_hook=False)
-        self._last = (B, idx, w, handle)
+        self._last = (B, idx, w, handle, out)
         if self.fp8:
             data, scales = recv_x
             recv_x = Fp8Tensor(data, self._scales.copy_(scales))
@@ -153,9 +162,9 @@ class NixlEpTransport:
         """Weighted sum of each token's expert rows, ``[B, H]`` bf16 (view of an owned buffer)."""
         if self._last is None:
             raise MoEEpInputError("combine called before dispatch; allowed: dispatch, then combine")
-        B, idx, w, handle = self._last
+        _, idx, w, handle, out = self._last
         combined, _event, _hook = self.buffer.low_latency_combine(
-            expert_out.contiguous(), idx, w, handle, async_finish=False, return_recv_hook=False, out=self.out[:B])
+            expert_out.contiguous(), idx, w, handle, async_finish=False, return_recv_hook=False, out=out)
         return combined[:0] if self._empty else combined
 
     def close(self) -> None:
