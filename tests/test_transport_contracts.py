@@ -205,7 +205,7 @@ def nixl(config, world=1):
 def test_nixl_ep_ll_expert_major_world1():
     c = cfg(Algorithm.LOW_LATENCY, Layout.EXPERT_MAJOR, H=2048)
     t, m = nixl(c)
-    for step, B in enumerate((8, 3)):
+    for step, B in enumerate((8, 3, 8, 3)):  # (a batch size met again: its staging and output views kept)
         x, idx, w = routing(B, c.num_experts, c.top_k, step, H=2048)
         res = t.dispatch(x, idx, w)
         assert res.tokens.shape == (c.num_experts, 8, 2048) and res.expert_counts.dtype == torch.int32
