@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, options
 from moe_ep.commands.timing import time_graph, time_host_idle, time_loop
-from moe_ep.forward_plan import ForwardPlan
+from moe_ep.forward_plan import ForwardPlan, _DescriptorSlot, _Launch
 from moe_ep.kernels import grouped_gemm, launch_cache
 from moe_ep.kernels.bridge import permute_rows, route_experts, unpermute_reduce
 
@@ -106,8 +106,8 @@ def _kernel_names() -> dict:
 def replay_steps(layer: MoEEpLayer, inputs: tuple, reps: int = 25) -> list[dict]:
     """The layer's recorded forward (its one plan) replayed step by step, each step's host us (the median over
     ``reps`` replays, each onto an idle GPU): an aten op by name, a kernel launch by kernel name and its number of
-    TMA descriptors made per launch (``forward_plan._DescriptorSlot``: built on each replay, and Triton's launcher
-    encodes each into a CUtensorMap)."""
+    TMA descriptors made per launch (built on each replay, and Triton's launcher encodes each into a CUtensorMap).
+    The loop is :meth:`ForwardPlan.replay`'s, with a clock around each step."""
     plan = next(p for p in layer._plans.plans.values() if type(p) is ForwardPlan)
     device = torch.cuda.current_device()
     stream = launch_cache._driver().get_current_stream(device)
@@ -116,15 +116,15 @@ def replay_steps(layer: MoEEpLayer, inputs: tuple, reps: int = 25) -> list[dict]
         torch.cuda.synchronize()
         tensors = list(inputs)
         for i, step in enumerate(plan.steps):
-            launch = hasattr(step, "function")
+            launch = type(step) is _Launch
             t0 = time.perf_counter()
             step.run(tensors, stream) if launch else step.run(tensors)
             times[i].append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     out = []
     for step, t in zip(plan.steps, times):
-        if hasattr(step, "function"):
-            descs = sum(type(slot).__name__ == "_DescriptorSlot" for _, slot in step.slots)
+        if type(step) is _Launch:
+            descs = sum(type(slot) is _DescriptorSlot for _, slot in step.slots)
             label = f"{names.get(step.function, 'kernel')}" + (f" ({descs} TMA desc.)" if descs else "")
         else:
             label = str(step.func).replace("aten.", "")

@@ -4,7 +4,8 @@ of ``bench_transports.py``, which needs the libraries and a GPU.
 Each wrapper at world size 1 over the repository's contract stand-ins of the libraries (``tests/fake_nccl_ep.py``,
 ``tests/fake_nixl_ep.py``: CPU tensors), one dispatch + combine made for real, then the library object replaced by
 ``bench_transports.Replay`` (every call a no-op that returns what the real one returned, as ``own_host_us`` does
-there): dispatch + combine timed by this thread's CPU time (``moe_ep.commands.timing.time_host``). Small shapes keep
+there): dispatch + combine timed by this thread's CPU time, best of 5 means, as ``moe_ep.commands.timing.time_host``
+times (a copy of it here: ``--repo`` may name a checkout older than that module). Small shapes keep
 torch's own work out of the way; what is left is the wrappers' Python. Compare runs on one machine only (e.g. this
 checkout against an older one: ``python3 benchmarks/bench_wrapper_host.py --repo OTHER_CHECKOUT``).
 
@@ -44,7 +45,7 @@ def main():
     except ImportError:  # (an older checkout's place for it)
         from moe_ep.transports.toy import toy_compute
 
-    def best_mean(fn, iters=200):  # this thread's CPU time: a busy machine disturbs it less than the wall clock
+    def best_mean(fn, iters=200):  # (time_host's loop, clock=time.thread_time: see the module doc)
         fn()
         best = float("inf")
         for _ in range(5):
@@ -55,9 +56,10 @@ def main():
         return best
     # bench_transports.own_host_us times with time_loop (a GPU's); here the CPU clock above
     bench_transports.time_loop = lambda fn, iters=None, warmup=None, **_: types.SimpleNamespace(host=best_mean(fn))
-    T, E, K = 8, 8, 3
     import moe_ep
-    print(f"moe_ep from {os.path.dirname(os.path.dirname(moe_ep.__file__))}: wrapper's own host us per dispatch + combine (best of {args.repeats} runs)")
+    print(f"moe_ep from {os.path.dirname(os.path.dirname(moe_ep.__file__))}: wrapper's own host us per dispatch + "
+          f"combine (best of {args.repeats} runs)")
+    T, E, K = 8, 8, 3
     for name, alg, lay, H in CASES:
         c = EpConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=64, max_tokens_per_rank=T,
                      algorithm=Algorithm(alg), layout=Layout(lay))
@@ -81,6 +83,7 @@ def main():
                 t.dispatch(x, idx, w)
                 t.combine(y)
             times.append(bench_transports.own_host_us(t, step, 200))
+            t.close()
         print(f"{name:8} {alg}/{lay:13} {min(times):6.1f}")
 
 
