@@ -336,8 +336,13 @@ def gluon_nvfp4_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Ten
     grid = (math.ceil(N / BLOCK_N), G)
     regs = {} if maxnreg is None else {"maxnreg": maxnreg}
     _gluon_nvfp4_kernel[grid](q_desc, s_desc, x_desc, gs, out, offsets, S, N, K, BLOCK_T=block_t, STAGES=stages,
-                              FAST_DECODE=bool(fast_decode), A_BUFFERS=2 if overlap else 1, num_warps=4, **regs)
+                              FAST_DECODE=bool(fast_decode), A_BUFFERS=_a_buffers(overlap), num_warps=4, **regs)
     return out
+
+
+def _a_buffers(overlap: bool) -> int:
+    """The kernel's ``A_BUFFERS`` (the launch's and the compile check's alike): 2 with overlap, else 1."""
+    return 2 if overlap else 1
 
 
 def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True,
@@ -351,7 +356,7 @@ def compile_signature(block_t: int, out: str = "bf16", fast_decode: bool = True,
            "x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "gs_ptr": "*fp32", "out_ptr": f"*{out}", "offs_ptr": "*i32", "S": "i32", "N": "i32", "K": "i32",
            "BLOCK_T": "constexpr", "STAGES": "constexpr", "FAST_DECODE": "constexpr", "A_BUFFERS": "constexpr"}
-    return (sig, {"BLOCK_T": block_t, "STAGES": stages, "FAST_DECODE": fast_decode, "A_BUFFERS": 2 if overlap else 1},
+    return (sig, {"BLOCK_T": block_t, "STAGES": stages, "FAST_DECODE": fast_decode, "A_BUFFERS": _a_buffers(overlap)},
             dict(num_warps=4, **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
