@@ -271,6 +271,50 @@ def test_gluon_fp8_swiglu_without_hopper_raises_config_error(monkeypatch):
                                                 torch.zeros(3, dtype=torch.int32))
 
 
+class _KernelStandIn:
+    """Takes ``_gluon_fp8_kernel``'s place: records each launch's keyword arguments and its ``o_desc`` argument."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.launches.append(dict(kw, o_desc=args[13]))
+        return run
+
+
+@pytest.mark.parametrize("n, offset, stored_by_tma", [(24, 0, True), (12, 0, False), (24, 1, False)],
+                         ids=["aligned", "24-byte-rows", "base-off-16-bytes"])
+def test_tma_store_variant_falls_back_to_the_register_store_where_tma_cannot_write(monkeypatch, n, offset,
+                                                                                    stored_by_tma):
+    """A TMA_STORE variant's launch stores by TMA (a descriptor over out) only where out's base and rows are 16-byte
+    aligned; elsewhere it launches the register store (TMA_STORE off, out itself as the unread descriptor argument),
+    which writes the same values. Checked on CPU tensors with the kernel stood in for."""
+    stand_in = _KernelStandIn()
+    monkeypatch.setattr(gluon_fp8, "_gluon_fp8_kernel", stand_in)
+    G, K, M = 2, 128, 4
+    x, w = _x(M, K), _w(G, n, K)
+    out = torch.empty(M * n + offset, dtype=torch.bfloat16)[offset:].view(M, n)
+    assert gluon_fp8.tma_storable(out) == stored_by_tma
+    offsets = torch.tensor([0, 2, M], dtype=torch.int32)
+    gluon_fp8.launch(x.data, x.scales, w.data, w.scales, offsets, out, x.scales, None, "coop_tma_store", swiglu=False,
+                     num_programs=1)
+    (kw, ) = stand_in.launches
+    assert kw["TMA_STORE"] == stored_by_tma
+    assert (kw["o_desc"] is out) != stored_by_tma
+    if stored_by_tma:
+        assert kw["o_desc"].base is out and list(kw["o_desc"].block_shape) == [gluon_fp8.WG_ROWS, 128]
+
+
+def test_gemm2_default_stores_by_tma_only_under_a_triton_it_was_verified_under():
+    """GEMM2's default variant is ``coop`` with the TMA store where that variant passed the GPU tests
+    (``TMA_STORE_CHECKED_TRITONS``), ``coop`` itself elsewhere."""
+    from moe_ep.triton_runtime import triton_minor
+    spec = gluon_fp8.VARIANTS[gluon_fp8.DEFAULT_VARIANT]
+    assert spec.tma_store == (triton_minor() in gluon_fp8.TMA_STORE_CHECKED_TRITONS)
+    assert spec._replace(tma_store=False) == gluon_fp8.VARIANTS["coop"]
+
+
 # --- the grouped-GEMM dispatcher's "gluon-fp8" path ------------------------------------------------------------
 
 

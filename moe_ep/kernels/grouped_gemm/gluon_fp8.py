@@ -31,7 +31,10 @@ device-side offsets alone (no host sync); empty experts own no tiles. Row tiles 
 likewise. K need not be a multiple of 128 (TMA fills the last block's columns past K with zeros), but TMA needs
 16-byte row strides: K a multiple of 16.
 
-Named variants (:data:`VARIANTS`) choose the consumers and the overlap.
+Named variants (:data:`VARIANTS`) choose the consumers, the overlap and GEMM2's store: from registers (two bytes a
+store, half of each 32-byte sector used: ncu on an H100 counts 48% of the kernel's global sectors excessive), or
+(TMA_STORE) through a staging tile in shared memory and one asynchronous TMA store a warpgroup tile, whose drain
+overlaps the warpgroup's next tile.
 
 GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
 gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
@@ -45,6 +48,8 @@ keeps the first pass's 64 x 64 SwiGLU values; x's tile is loaded again for the s
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -67,21 +72,41 @@ PAIRS = gl.constexpr(2)  # OVERLAP: pairs of K blocks per group (the K loop's un
 K_MULTIPLE = 16  # TMA: the e4m3 rows (K bytes) must be 16-byte multiples
 MAX_EXPERTS = 1024  # the tile schedule's per-expert vector (a power of two at least G) stays small
 
+
+class Variant(NamedTuple):
+    """A kernel variant's compile-time choices."""
+
+    consumers: int  # math warpgroups (CONSUMERS), 64 tile rows each
+    overlap: bool  # OVERLAP: the next block's MMA in flight while a product is promoted
+    block_n: int  # the tile's weight rows (GEMM1: a slot's gate + up rows)
+    stages: int  # ring slots
+    tma_store: bool = False  # TMA_STORE (GEMM2's form): a warpgroup's whole 64-row tiles stored through shared memory
+
+
 VARIANTS = {
-    # name: (math warpgroups, next block's MMA in flight while promoting, BLOCK_N, ring stages)
-    "coop": (2, False, 128, 4),  # two warpgroups on one 128 x 128 tile; each waits for its MMA, then promotes
-    "coop_overlap": (2, True, 64, 6),  # two warpgroups on 128 x 64 tiles, each with a second MMA in flight
-    "single_overlap": (1, True, 64, 8),  # one warpgroup on 64 x 64 tiles, a second MMA in flight
+    "coop": Variant(2, False, 128, 4),  # two warpgroups on one 128 x 128 tile; each waits for its MMA, then promotes
+    "coop_overlap": Variant(2, True, 64, 6),  # two warpgroups on 128 x 64 tiles, each with a second MMA in flight
+    "single_overlap": Variant(1, True, 64, 8),  # one warpgroup on 64 x 64 tiles, a second MMA in flight
+    # coop, a warpgroup's tile rows stored by TMA from a 64 x 128 bf16 staging tile of its own (16 KB), issued
+    # asynchronously: its next tile's MMAs start while the store drains
+    "coop_tma_store": Variant(2, False, 128, 4, True),
 }
-"""Variant name -> (CONSUMERS, OVERLAP, BLOCK_N, STAGES). A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes
-(128-144 KB of shared memory at these depths). With OVERLAP a warpgroup holds two products besides its accumulator:
-at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64, none do (compile checks)."""
-DEFAULT_VARIANT = "coop"
+"""Variant name -> :class:`Variant`. A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes (128-144 KB of shared
+memory at these depths; TMA_STORE adds 16 KB a math warpgroup). With OVERLAP a warpgroup holds two products besides
+its accumulator: at BLOCK_N 128 that is 192 of its registers, and ptxas spills; at 64, none do (compile checks).
+Without TMA_STORE a warpgroup stores its bf16 tile from registers (masked ``gl.store``: two bytes a store); with it,
+a tile whose 64 rows are all its expert's goes through shared memory and one TMA store (TMA clips the columns past N),
+and a tile over an expert's end is stored from registers as without."""
+TMA_STORE_CHECKED_TRITONS = ("3.6", )
+"""Triton releases under which the TMA_STORE variant passed the GPU property tests (its outputs bit-identical to
+``coop``'s, 4-16% less time on an H100: docs/perf-log.md, "Gluon FP8: where GEMM2's time goes"); GEMM2's default is
+``coop`` under the others."""
+DEFAULT_VARIANT = "coop_tma_store" if triton_minor() in TMA_STORE_CHECKED_TRITONS else "coop"
 
 SWIGLU_VARIANTS = {
-    # name: (math warpgroups, OVERLAP (never: two products of 128 columns would spill), slot rows, ring stages)
-    "coop": (2, False, 128, 4),  # two warpgroups on 128 rows x 128 channels, each pass's slot 64 gate + 64 up rows
-    "single": (1, False, 128, 8),  # one warpgroup on 64 rows x 128 channels, a deeper ring
+    # OVERLAP never: two products of 128 columns would spill
+    "coop": Variant(2, False, 128, 4),  # two warpgroups on 128 rows x 128 channels, each pass's slot 64 gate + 64 up
+    "single": Variant(1, False, 128, 8),  # one warpgroup on 64 rows x 128 channels, a deeper ring
 }
 """GEMM1's variants (:func:`gluon_fp8_swiglu_grouped_gemm`), as :data:`VARIANTS`: a tile is 128 output channels, one
 scale block, in two passes of 64 (a warpgroup holds one pass's 64 x 128 sums and product, and the first pass's
@@ -92,6 +117,20 @@ DEFAULT_SWIGLU_VARIANT = "coop"
 # TMA's global -> shared copy: Triton 3.6 ``async_copy_global_to_shared``, 3.9 ``async_load`` (the same arguments:
 # descriptor, coordinates, mbarrier, destination)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# and shared -> global: 3.6 ``async_copy_shared_to_global``, 3.9 ``async_store`` (descriptor, coordinates, source)
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+def tma_storable(out: torch.Tensor) -> bool:
+    """Whether a TMA_STORE variant's kernel can store into ``out`` (bf16 ``[M, N]``, contiguous) by TMA: a 16-byte
+    aligned base and 16-byte row strides (N a multiple of 8). Elsewhere :func:`launch` runs the variant with the
+    register store, which writes the same values."""
+    return out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
+
+
+def out_tile_layout(block_n: int):
+    """The NVMMA shared layout of a math warpgroup's bf16 staging tile ``[64, block_n]`` (TMA_STORE)."""
+    return gl.NVMMASharedLayout.get_default_for([WG_ROWS, block_n], gl.bfloat16)
 
 
 def shared_layouts(block_m: int, block_n: int) -> dict:
@@ -258,8 +297,8 @@ def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, sr
 
 @gluon.jit
 def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
-              WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              HAS_RS: gl.constexpr, SWIGLU: gl.constexpr):
+              o_desc, o_tile, WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr):
     """Math warpgroup WG: rows WG * 64 .. WG * 64 + 63 of each of this program's tiles, promoted per K block, then
     (times the row's routing weight with HAS_RS) stored as bf16 where the row is its expert's and the column < N; with
     SWIGLU, two passes of 64 channels each, their SwiGLU values stored as FP8 (``gluon_fp8_swiglu``)."""
@@ -313,16 +352,29 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring,
                     acc = acc * gl.load(rs_ptr + rows, mask=rmask, other=0.0)[:, None]
                 cols = n0 + c_off
                 ptrs = out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :]
-                gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < N))
+                if TMA_STORE:
+                    if row0 + _WG_ROWS <= end:
+                        # the previous tile's store has read the staging tile (the wait also syncs the warpgroup)
+                        tma.store_wait(0)
+                        o_tile.store(acc.to(out_ptr.dtype.element_ty))
+                        fence_async_shared()
+                        _tma_store(o_desc, [row0, n0], o_tile)
+                    else:
+                        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < N))
+                else:
+                    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols[None, :] < N))
         first = last
+    if TMA_STORE:
+        tma.store_wait(0)  # the staging tile stays live until its last store has read it
 
 
 @gluon.jit
-def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, M, N, K, G, N_TILES,
+def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, M, N, K, G, N_TILES, o_desc,
                       CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr,
-                      SWIGLU: gl.constexpr):
+                      SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). N: the output's
-    columns (GEMM1: I, of w's 2I rows per expert)."""
+    columns (GEMM1: I, of w's 2I rows per expert). ``o_desc``: with TMA_STORE a descriptor over out ``[M, N]`` of
+    ``[64, BLOCK_N]`` boxes, else out again (unread)."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     # GEMM1: a slot's w tile is the gate and up boxes stacked
@@ -331,10 +383,15 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
     gl.static_assert(128 % BN == 0, "the tile's weight rows lie in one 128-row scale block")
     gl.static_assert(not SWIGLU or (BN == 128 and not OVERLAP and not HAS_RS),
                      "GEMM1: one 128-channel scale block a tile, one product in flight, no routing weight")
+    gl.static_assert(not (SWIGLU and TMA_STORE), "TMA_STORE: GEMM2's form")
     x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA_STORE:  # a staging tile a math warpgroup
+        o_tiles = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, _WG_ROWS, BN], o_desc.layout)
+    else:  # unread: the partitions take an argument either way
+        o_tiles = ready
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=CONSUMERS)  # each math warpgroup frees the slot once
@@ -342,16 +399,19 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
-                         N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
+                         N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
+                         TMA_STORE)),
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
-                         N_TILES, 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
+                         N_TILES, o_desc, o_tiles.index(1), 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
+                         TMA_STORE)),
             (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
                          OVERLAP, SWIGLU)),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
-                         N_TILES, 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU)),
+                         N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
+                         TMA_STORE)),
             (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
                          OVERLAP, SWIGLU)),
         ], [1], [24])
@@ -477,10 +537,11 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     """Launch the kernel on checked parts (at least one row; the grouped-GEMM launcher's ``gluon-fp8`` path and the two
     entry points below): x codes ``xq [M, K]`` e4m3 and scales ``xs``, w codes ``wq [G, R, K]`` and scales ``ws``,
     int32 ``offsets [G + 1]``, ``out`` (bf16 ``[M, N]``, or with ``swiglu`` e4m3 ``[M, R / 2]`` and its scales
-    ``out_scales``), ``variant`` of :data:`VARIANTS` (with ``swiglu``, :data:`SWIGLU_VARIANTS`), the persistent grid
-    ``num_programs``. Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box
-    and the up box fill one)."""
-    consumers, overlap, block_n, stages = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    ``out_scales``), ``variant`` of :data:`VARIANTS` (with ``swiglu``, :data:`SWIGLU_VARIANTS`; a TMA_STORE variant
+    whose ``out`` is not :func:`tma_storable` stores from registers), the persistent grid ``num_programs``.
+    Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box and the up box fill
+    one), and with TMA_STORE over out ``[M, N]``."""
+    consumers, overlap, block_n, stages, tma_store = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
     G, R, K = wq.shape
     xq = xq.contiguous()
@@ -494,9 +555,12 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
     n_out = R // 2 if swiglu else R
     n_tiles = -(-n_out // block_n)
+    tma_store = tma_store and tma_storable(out)
+    o_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], out_tile_layout(block_n)) if tma_store else out
     _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws.contiguous(), rs, out, out_scales, offsets,
-                                        xq.shape[0], n_out, K, G, n_tiles, CONSUMERS=consumers, OVERLAP=overlap,
-                                        STAGES=stages, HAS_RS=row_scale is not None, SWIGLU=swiglu, num_warps=4)
+                                        xq.shape[0], n_out, K, G, n_tiles, o_desc, CONSUMERS=consumers,
+                                        OVERLAP=overlap, STAGES=stages, HAS_RS=row_scale is not None, SWIGLU=swiglu,
+                                        TMA_STORE=tma_store, num_warps=4)
 
 
 def _programs(x: Fp8Tensor, num_programs: int | None) -> int:
@@ -570,17 +634,19 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
     """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant (of :data:`VARIANTS`, or
     with ``swiglu`` of :data:`SWIGLU_VARIANTS`), as a launch builds it, for a GPU-less ``triton.compile`` (compile
     checks)."""
-    consumers, overlap, block_n, stages = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    consumers, overlap, block_n, stages, tma_store = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
     lay = shared_layouts(block_m, block_n)
+    out_type = "*fp8e4nv" if swiglu else "*bf16"
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, {BLOCK_K}],{lay['x']!r}>",
            "w_desc": f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>",
-           "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": "*fp8e4nv" if swiglu else "*bf16",
+           "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": out_type,
            "os_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
+           "o_desc": f"tensordesc<bf16[{WG_ROWS}, {block_n}],{out_tile_layout(block_n)!r}>" if tma_store else out_type,
            "CONSUMERS": "constexpr", "OVERLAP": "constexpr", "STAGES": "constexpr", "HAS_RS": "constexpr",
-           "SWIGLU": "constexpr"}
+           "SWIGLU": "constexpr", "TMA_STORE": "constexpr"}
     return (sig, {"CONSUMERS": consumers, "OVERLAP": overlap, "STAGES": stages, "HAS_RS": has_rs and not swiglu,
-                  "SWIGLU": swiglu}, dict(num_warps=4))
+                  "SWIGLU": swiglu, "TMA_STORE": tma_store}, dict(num_warps=4))
 
 
 __all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
