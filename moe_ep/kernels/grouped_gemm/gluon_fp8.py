@@ -34,7 +34,9 @@ likewise. K need not be a multiple of 128 (TMA fills the last block's columns pa
 Named variants (:data:`VARIANTS`) choose the consumers, the overlap and GEMM2's store: from registers (two bytes a
 store, half of each 32-byte sector used: ncu on an H100 counts 48% of the kernel's global sectors excessive), or
 (TMA_STORE) through a staging tile in shared memory and one asynchronous TMA store a warpgroup tile, whose drain
-overlaps the warpgroup's next tile.
+overlaps the warpgroup's next tile. PAIRED (``coop_tma_store_paired``, built for sm_90a, not yet run on a GPU) takes
+the K steps in pairs so that each step's block scales are loaded a whole step before the product that uses them (ncu
+found the math warps waiting on those loads: 8-10% of GEMM2's time by ablation).
 
 GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
 gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
@@ -81,6 +83,7 @@ class Variant(NamedTuple):
     block_n: int  # the tile's weight rows (GEMM1: a slot's gate + up rows)
     stages: int  # ring slots
     tma_store: bool = False  # TMA_STORE (GEMM2's form): a warpgroup's whole 64-row tiles stored through shared memory
+    paired: bool = False  # PAIRED (no OVERLAP): K steps in pairs, each step's scales multiplied a step after loading
 
 
 VARIANTS = {
@@ -90,6 +93,8 @@ VARIANTS = {
     # coop, a warpgroup's tile rows stored by TMA from a 64 x 128 bf16 staging tile of its own (16 KB), issued
     # asynchronously: its next tile's MMAs start while the store drains
     "coop_tma_store": Variant(2, False, 128, 4, True),
+    # coop_tma_store with the scales' loads a step away from their use (PAIRED); built, not yet run on a GPU
+    "coop_tma_store_paired": Variant(2, False, 128, 4, True, True),
 }
 """Variant name -> :class:`Variant`. A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes (128-144 KB of shared
 memory at these depths; TMA_STORE adds 16 KB a math warpgroup). With OVERLAP a warpgroup holds two products besides
@@ -222,6 +227,44 @@ def _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGLU: gl
 
 
 @gluon.jit
+def _block_scale_loads(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGLU: gl.constexpr):
+    """K block ks's scales as loaded: ``(xs, ws, ws_up)``, x's per accumulator row and w's of the tile's weight rows
+    (and with SWIGLU of its up rows), 0 past the last block; :func:`_loaded_factors` multiplies them. The loads of
+    :func:`_block_scales`, which keeps its own (its products follow each load there, the order the GPU-verified
+    variants were built in)."""
+    ok = ks < KB
+    xs = gl.load(xs_ptr + rows * KB + ks, mask=rmask & ok, other=0.0)
+    ws = gl.load(ws_ptr + srow * KB + ks, mask=ok, other=0.0)
+    ws_up = ws
+    if SWIGLU:
+        ws_up = gl.load(ws_ptr + up_srow * KB + ks, mask=ok, other=0.0)
+    return xs, ws, ws_up
+
+
+@gluon.jit
+def _loaded_factors(xs, ws, ws_up, SWIGLU: gl.constexpr):
+    """:func:`_block_scales`' factors from :func:`_block_scale_loads`' values (PAIRED: a step after the loads)."""
+    s = xs * ws
+    s_up = s
+    if SWIGLU:
+        s_up = xs * ws_up
+    return s, s_up
+
+
+@gluon.jit
+def _paired_step(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow, up_srow, KB, i, ks, da, acc, xs, ws,
+                 ws_up, up_cols, WG: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr):
+    """PAIRED: K step ks (ring position i) whose scales were loaded in the step before (``xs``, ``ws``, ``ws_up``):
+    issue its MMA, load step ks + 1's scales, wait, free the slot, promote. ``(acc, da, step ks + 1's loads)``."""
+    pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
+    nx, nw, nw_up = _block_scale_loads(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks + 1, KB, SWIGLU)
+    da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
+    mbarrier.arrive(empty.index(i % STAGES), count=1)
+    s, s_up = _loaded_factors(xs, ws, ws_up, SWIGLU)
+    return acc + _scaled(da, s, s_up, up_cols, SWIGLU), da, nx, nw, nw_up
+
+
+@gluon.jit
 def _scaled(d, s, s_up, up_cols, SWIGLU: gl.constexpr):
     """A K block's product times its factors (:func:`_block_scales`): with SWIGLU, up's columns (``up_cols``) take
     up's, as the tl kernel selects them per column."""
@@ -246,7 +289,8 @@ def _mma_step(x_ring, w_ring, ready, i, spare, WG: gl.constexpr, STAGES: gl.cons
 
 @gluon.jit
 def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow, up_srow, KB, KB_STEPS, i, da, db,
-                   up_cols, WG: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr):
+                   up_cols, WG: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr,
+                   PAIRED: gl.constexpr):
     """One pass over K of this warpgroup's rows of a tile, every block's product promoted: ``(acc, da, db, i)``, the
     fp32 sums, the product buffers (carried on, so that every MMA writes into registers of a promoted product) and
     the ring position after the pass."""
@@ -274,6 +318,26 @@ def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, sr
                 mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
                 acc = acc + _scaled(db, sb, sb_up, up_cols, SWIGLU)
                 i += 2
+    elif PAIRED:
+        # the K steps in pairs, a step's scales loaded in the step before (while its MMA runs) and multiplied in the
+        # step that uses them, two sets of registers taking turns: where one step loads and multiplies (below), the
+        # compiler puts the product before that step's MMA wait, and it waits for the loads (an L2 round trip under
+        # the ring's TMA traffic); a set carried from step to step would be copied there, with the same wait
+        i0 = i
+        xb, wb, wb_up = _block_scale_loads(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, 0, KB, SWIGLU)
+        acc = gl.full_like(da, -0.0)  # -0.0 + v is v for every v (+0.0 too): the first product enters as coop's does
+        for k0 in range(0, KB_STEPS - 1, 2):
+            acc, da, xa, wa, wa_up = _paired_step(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                  up_srow, KB, i0 + k0, k0, da, acc, xb, wb, wb_up, up_cols, WG,
+                                                  STAGES, SWIGLU)
+            acc, da, xb, wb, wb_up = _paired_step(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                  up_srow, KB, i0 + k0 + 1, k0 + 1, da, acc, xa, wa, wa_up, up_cols,
+                                                  WG, STAGES, SWIGLU)
+        if KB_STEPS % 2 == 1:
+            acc, da, xa, wa, wa_up = _paired_step(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                  up_srow, KB, i0 + KB_STEPS - 1, KB_STEPS - 1, da, acc, xb, wb,
+                                                  wb_up, up_cols, WG, STAGES, SWIGLU)
+        i = i0 + KB_STEPS
     else:
         # each step's scales are loaded a step ahead: their latency hides behind the MMA of the step before
         s, s_up = _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, 0, KB, SWIGLU)
@@ -298,7 +362,7 @@ def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, sr
 @gluon.jit
 def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
               o_desc, o_tile, WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr):
+              HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr):
     """Math warpgroup WG: rows WG * 64 .. WG * 64 + 63 of each of this program's tiles, promoted per K block, then
     (times the row's routing weight with HAS_RS) stored as bf16 where the row is its expert's and the column < N; with
     SWIGLU, two passes of 64 channels each, their SwiGLU values stored as FP8 (``gluon_fp8_swiglu``)."""
@@ -337,17 +401,18 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring,
                 srow = g.to(gl.int64) * (2 * n_blocks) + n0 // 128
                 acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
                                                 srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES,
-                                                OVERLAP, SWIGLU)
+                                                OVERLAP, SWIGLU, PAIRED)
                 h0 = swiglu_pass(acc, n0, N, half_layout)
                 acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
                                                 srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES,
-                                                OVERLAP, SWIGLU)
+                                                OVERLAP, SWIGLU, PAIRED)
                 h1 = swiglu_pass(acc, n0 + BN // 2, N, half_layout)
                 store_fp8_block(h0, h1, out_ptr, os_ptr, row0, end, n0, N)
             else:
                 srow = g.to(gl.int64) * n_blocks + n0 // 128  # the tile's weight rows are one scale block
                 acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
-                                                srow, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES, OVERLAP, SWIGLU)
+                                                srow, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES, OVERLAP, SWIGLU,
+                                                PAIRED)
                 if HAS_RS:
                     acc = acc * gl.load(rs_ptr + rows, mask=rmask, other=0.0)[:, None]
                 cols = n0 + c_off
@@ -371,7 +436,7 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring,
 @gluon.jit
 def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, M, N, K, G, N_TILES, o_desc,
                       CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr,
-                      SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr):
+                      SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). N: the output's
     columns (GEMM1: I, of w's 2I rows per expert). ``o_desc``: with TMA_STORE a descriptor over out ``[M, N]`` of
     ``[64, BLOCK_N]`` boxes, else out again (unread)."""
@@ -400,10 +465,10 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
         gl.warp_specialize([
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
                          N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
-                         TMA_STORE)),
+                         TMA_STORE, PAIRED)),
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
                          N_TILES, o_desc, o_tiles.index(1), 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
-                         TMA_STORE)),
+                         TMA_STORE, PAIRED)),
             (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
                          OVERLAP, SWIGLU)),
         ], [4, 1], [232, 24])
@@ -411,7 +476,7 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
         gl.warp_specialize([
             (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
                          N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
-                         TMA_STORE)),
+                         TMA_STORE, PAIRED)),
             (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
                          OVERLAP, SWIGLU)),
         ], [1], [24])
@@ -541,7 +606,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     whose ``out`` is not :func:`tma_storable` stores from registers), the persistent grid ``num_programs``.
     Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box and the up box fill
     one), and with TMA_STORE over out ``[M, N]``."""
-    consumers, overlap, block_n, stages, tma_store = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    consumers, overlap, block_n, stages, tma_store, paired = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
     G, R, K = wq.shape
     xq = xq.contiguous()
@@ -560,7 +625,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws.contiguous(), rs, out, out_scales, offsets,
                                         xq.shape[0], n_out, K, G, n_tiles, o_desc, CONSUMERS=consumers,
                                         OVERLAP=overlap, STAGES=stages, HAS_RS=row_scale is not None, SWIGLU=swiglu,
-                                        TMA_STORE=tma_store, num_warps=4)
+                                        TMA_STORE=tma_store, PAIRED=paired, num_warps=4)
 
 
 def _programs(x: Fp8Tensor, num_programs: int | None) -> int:
@@ -634,7 +699,7 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
     """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant (of :data:`VARIANTS`, or
     with ``swiglu`` of :data:`SWIGLU_VARIANTS`), as a launch builds it, for a GPU-less ``triton.compile`` (compile
     checks)."""
-    consumers, overlap, block_n, stages, tma_store = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    consumers, overlap, block_n, stages, tma_store, paired = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
     lay = shared_layouts(block_m, block_n)
     out_type = "*fp8e4nv" if swiglu else "*bf16"
@@ -644,9 +709,9 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
            "os_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
            "o_desc": f"tensordesc<bf16[{WG_ROWS}, {block_n}],{out_tile_layout(block_n)!r}>" if tma_store else out_type,
            "CONSUMERS": "constexpr", "OVERLAP": "constexpr", "STAGES": "constexpr", "HAS_RS": "constexpr",
-           "SWIGLU": "constexpr", "TMA_STORE": "constexpr"}
+           "SWIGLU": "constexpr", "TMA_STORE": "constexpr", "PAIRED": "constexpr"}
     return (sig, {"CONSUMERS": consumers, "OVERLAP": overlap, "STAGES": stages, "HAS_RS": has_rs and not swiglu,
-                  "SWIGLU": swiglu, "TMA_STORE": tma_store}, dict(num_warps=4))
+                  "SWIGLU": swiglu, "TMA_STORE": tma_store, "PAIRED": paired}, dict(num_warps=4))
 
 
 __all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
