@@ -306,13 +306,14 @@ def test_tma_store_variant_falls_back_to_the_register_store_where_tma_cannot_wri
         assert kw["o_desc"].base is out and list(kw["o_desc"].block_shape) == [gluon_fp8.WG_ROWS, 128]
 
 
-def test_gemm2_default_stores_by_tma_only_under_a_triton_it_was_verified_under():
-    """GEMM2's default variant is ``coop`` with the TMA store where that variant passed the GPU tests
-    (``TMA_STORE_CHECKED_TRITONS``), ``coop`` itself elsewhere."""
+def test_gemm2_default_is_the_paired_tma_store_only_under_a_triton_it_was_verified_under():
+    """GEMM2's default variant is ``coop`` with the TMA store and the paired K steps where that variant passed the GPU
+    tests (``DEFAULT_CHECKED_TRITONS``), ``coop`` itself elsewhere."""
     from moe_ep.triton_runtime import triton_minor
     spec = gluon_fp8.VARIANTS[gluon_fp8.DEFAULT_VARIANT]
-    assert spec.tma_store == (triton_minor() in gluon_fp8.TMA_STORE_CHECKED_TRITONS)
-    assert spec._replace(tma_store=False) == gluon_fp8.VARIANTS["coop"]
+    checked = triton_minor() in gluon_fp8.DEFAULT_CHECKED_TRITONS
+    assert spec.tma_store == spec.paired == checked
+    assert spec._replace(tma_store=False, paired=False) == gluon_fp8.VARIANTS["coop"]
 
 
 # --- the grouped-GEMM dispatcher's "gluon-fp8" path ------------------------------------------------------------

@@ -34,9 +34,9 @@ likewise. K need not be a multiple of 128 (TMA fills the last block's columns pa
 Named variants (:data:`VARIANTS`) choose the consumers, the overlap and GEMM2's store: from registers (two bytes a
 store, half of each 32-byte sector used: ncu on an H100 counts 48% of the kernel's global sectors excessive), or
 (TMA_STORE) through a staging tile in shared memory and one asynchronous TMA store a warpgroup tile, whose drain
-overlaps the warpgroup's next tile. PAIRED (``coop_tma_store_paired``, built for sm_90a, not yet run on a GPU) takes
-the K steps in pairs so that each step's block scales are loaded a whole step before the product that uses them (ncu
-found the math warps waiting on those loads: 8-10% of GEMM2's time by ablation).
+overlaps the warpgroup's next tile. PAIRED (``coop_tma_store_paired``, GEMM2's default) takes the K steps in pairs so
+that each step's block scales are loaded a whole step before the product that uses them (ncu found the math warps
+waiting on those loads: 8-10% of GEMM2's time by ablation), with ``coop``'s operations in ``coop``'s order.
 
 GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
 gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
@@ -93,7 +93,7 @@ VARIANTS = {
     # coop, a warpgroup's tile rows stored by TMA from a 64 x 128 bf16 staging tile of its own (16 KB), issued
     # asynchronously: its next tile's MMAs start while the store drains
     "coop_tma_store": Variant(2, False, 128, 4, True),
-    # coop_tma_store with the scales' loads a step away from their use (PAIRED); built, not yet run on a GPU
+    # coop_tma_store with the scales' loads a step away from their use (PAIRED)
     "coop_tma_store_paired": Variant(2, False, 128, 4, True, True),
 }
 """Variant name -> :class:`Variant`. A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes (128-144 KB of shared
@@ -102,11 +102,11 @@ its accumulator: at BLOCK_N 128 that is 192 of its registers, and ptxas spills; 
 Without TMA_STORE a warpgroup stores its bf16 tile from registers (masked ``gl.store``: two bytes a store); with it,
 a tile whose 64 rows are all its expert's goes through shared memory and one TMA store (TMA clips the columns past N),
 and a tile over an expert's end is stored from registers as without."""
-TMA_STORE_CHECKED_TRITONS = ("3.6", )
-"""Triton releases under which the TMA_STORE variant passed the GPU property tests (its outputs bit-identical to
-``coop``'s, 4-16% less time on an H100: docs/perf-log.md, "Gluon FP8: where GEMM2's time goes"); GEMM2's default is
-``coop`` under the others."""
-DEFAULT_VARIANT = "coop_tma_store" if triton_minor() in TMA_STORE_CHECKED_TRITONS else "coop"
+DEFAULT_CHECKED_TRITONS = ("3.6", "3.9")
+"""Triton releases under which GEMM2's default variant, ``coop_tma_store_paired``, passed the GPU property tests (its
+outputs ``coop``'s: the same operations in the same order; 5-23% less time than ``coop`` on an H100: docs/PERF.md);
+GEMM2's default is ``coop`` under the others."""
+DEFAULT_VARIANT = "coop_tma_store_paired" if triton_minor() in DEFAULT_CHECKED_TRITONS else "coop"
 
 SWIGLU_VARIANTS = {
     # OVERLAP never: two products of 128 columns would spill
@@ -213,25 +213,10 @@ def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G
 
 
 @gluon.jit
-def _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGLU: gl.constexpr):
-    """The fp32 factors of K block ks per accumulator row: x's scale of the row times w's of the tile's weight rows
-    (one scale block), and with SWIGLU the same for the up rows (scale row ``up_srow``); 0 for a K block past the
-    last one (the zero blocks that pad OVERLAP's groups)."""
-    ok = ks < KB
-    xs = gl.load(xs_ptr + rows * KB + ks, mask=rmask & ok, other=0.0)
-    s = xs * gl.load(ws_ptr + srow * KB + ks, mask=ok, other=0.0)
-    s_up = s
-    if SWIGLU:
-        s_up = xs * gl.load(ws_ptr + up_srow * KB + ks, mask=ok, other=0.0)
-    return s, s_up
-
-
-@gluon.jit
 def _block_scale_loads(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGLU: gl.constexpr):
     """K block ks's scales as loaded: ``(xs, ws, ws_up)``, x's per accumulator row and w's of the tile's weight rows
-    (and with SWIGLU of its up rows), 0 past the last block; :func:`_loaded_factors` multiplies them. The loads of
-    :func:`_block_scales`, which keeps its own (its products follow each load there, the order the GPU-verified
-    variants were built in)."""
+    (and with SWIGLU of its up rows, scale row ``up_srow``); 0 for a K block past the last one (the zero blocks that
+    pad OVERLAP's groups). :func:`_loaded_factors` multiplies them."""
     ok = ks < KB
     xs = gl.load(xs_ptr + rows * KB + ks, mask=rmask & ok, other=0.0)
     ws = gl.load(ws_ptr + srow * KB + ks, mask=ok, other=0.0)
@@ -243,12 +228,20 @@ def _block_scale_loads(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGL
 
 @gluon.jit
 def _loaded_factors(xs, ws, ws_up, SWIGLU: gl.constexpr):
-    """:func:`_block_scales`' factors from :func:`_block_scale_loads`' values (PAIRED: a step after the loads)."""
+    """The fp32 factors of a K block per accumulator row from :func:`_block_scale_loads`' values: x's scale of the
+    row times w's (and with SWIGLU, times up's: ``(s, s_up)``)."""
     s = xs * ws
     s_up = s
     if SWIGLU:
         s_up = xs * ws_up
     return s, s_up
+
+
+@gluon.jit
+def _block_scales(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGLU: gl.constexpr):
+    """K block ks's factors (:func:`_loaded_factors`), multiplied where they are loaded."""
+    xs, ws, ws_up = _block_scale_loads(xs_ptr, ws_ptr, rows, rmask, srow, up_srow, ks, KB, SWIGLU)
+    return _loaded_factors(xs, ws, ws_up, SWIGLU)
 
 
 @gluon.jit
