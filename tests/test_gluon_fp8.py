@@ -114,7 +114,8 @@ def test_gluon_fp8_matches_reference_and_tl(variant, c):
     (200, 272, [0, 193, 1, 0, 129, 64, 383]),  # N and K tails; experts a row past or short of a row tile's end
     (8, 16, [3, 0, 5]),  # every expert smaller than one row tile, one K block of 16
     (384, 1040, [192, 0, 0, 130]),  # whole row tiles (three of 64, one and a half of 128), then a short one
-], ids=["tails", "small", "three-blocks"])
+    (200, 1536, [0, 193, 1, 0, 129, 64, 383]),  # K a multiple of 512: SCALES variants take their scales by TMA
+], ids=["tails", "small", "three-blocks", "scale-boxes"])
 def test_gluon_fp8_ragged_tails(variant, N, K, counts):
     """Fixed ragged GEMM2 cases, whatever the property test draws: for each variant's row tile (64 or 128 rows) an
     expert one row past a whole number of tiles (129, 193) and one row short of it (383), experts of one tile or less,
@@ -272,14 +273,14 @@ def test_gluon_fp8_swiglu_without_hopper_raises_config_error(monkeypatch):
 
 
 class _KernelStandIn:
-    """Takes ``_gluon_fp8_kernel``'s place: records each launch's keyword arguments and its ``o_desc`` argument."""
+    """Takes ``_gluon_fp8_kernel``'s place: records each launch's keyword arguments and its descriptor arguments."""
 
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
         def run(*args, **kw):
-            self.launches.append(dict(kw, o_desc=args[13]))
+            self.launches.append(dict(kw, xs=args[2], ws=args[3], o_desc=args[13], xs_desc=args[14], ws_desc=args[15]))
         return run
 
 
@@ -304,6 +305,33 @@ def test_tma_store_variant_falls_back_to_the_register_store_where_tma_cannot_wri
     assert (kw["o_desc"] is out) != stored_by_tma
     if stored_by_tma:
         assert kw["o_desc"].base is out and list(kw["o_desc"].block_shape) == [gluon_fp8.WG_ROWS, 128]
+
+
+@pytest.mark.parametrize("K, offset, by_tma", [(512, 0, True), (1024, 0, True), (384, 0, False), (512, 1, False)],
+                         ids=["one-box", "two-boxes", "3-blocks", "base-off-16-bytes"])
+def test_scales_variant_falls_back_to_global_loads_where_tma_cannot_read_the_scales(monkeypatch, K, offset, by_tma):
+    """A SCALES variant's launch brings the block scales in by TMA (descriptors over x's ``[M, KB]`` scales and w's
+    ``[G * NB, KB]`` of 4-block boxes) only where KB is a multiple of 4 and both bases are 16-byte aligned; elsewhere
+    it launches coop's K loop (SCALES off, the scale tensors themselves as the unread descriptor arguments), which
+    computes the same values. Checked on CPU tensors with the kernel stood in for."""
+    stand_in = _KernelStandIn()
+    monkeypatch.setattr(gluon_fp8, "_gluon_fp8_kernel", stand_in)
+    G, N, M = 2, 256, 4
+    x, w = _x(M, K), _w(G, N, K)
+    kb = K // 128
+    xs = torch.empty(M * kb + offset)[offset:].view(M, kb).copy_(x.scales)
+    assert gluon_fp8.scales_loadable(xs, w.scales) == by_tma
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, M], dtype=torch.int32)
+    gluon_fp8.launch(x.data, xs, w.data, w.scales, offsets, out, xs, None, "coop_tma_store_scales", swiglu=False,
+                     num_programs=1)
+    (kw, ) = stand_in.launches
+    assert kw["SCALES"] == by_tma and not kw["PAIRED"] and kw["TMA_STORE"]
+    assert (kw["xs_desc"] is kw["xs"] and kw["ws_desc"] is kw["ws"]) != by_tma
+    if by_tma:
+        assert kw["xs_desc"].base is kw["xs"] and list(kw["xs_desc"].block_shape) == [128, gluon_fp8.SCALE_BOX]
+        assert kw["ws_desc"].base.shape == (G * N // 128, kb) and list(kw["ws_desc"].block_shape) == \
+            [1, gluon_fp8.SCALE_BOX]
 
 
 def test_gemm2_default_is_the_paired_tma_store_only_under_a_triton_it_was_verified_under():

@@ -128,7 +128,8 @@ def gluon_nvfp4_cases(draw, b: Bounds = TINY):
 @st.composite
 def gluon_fp8_cases(draw, b: Bounds = TINY, swiglu: bool = False):
     """A problem of the Gluon FP8 block-scaled grouped GEMM, prefill-class: 1-8 experts, K a multiple of 16 (not
-    always of 128: a short last scale block; one block, or several), N not always a multiple of the tile (nor of the
+    always of 128: a short last scale block; one block, or several; multiples of 512, which the SCALES variants read
+    their scales of by TMA, in boxes of 4 blocks: one box or three), N not always a multiple of the tile (nor of the
     128-row scale blocks), up to 300 rows per expert (several row tiles), empty experts, rows of no expert before the
     first offset and after the last, values of several magnitudes and exact zeros, and the kernel variant. GEMM2's
     form (``gluon_fp8.VARIANTS``) with or without a routing weight per row; with ``swiglu`` GEMM1's
@@ -136,7 +137,8 @@ def gluon_fp8_cases(draw, b: Bounds = TINY, swiglu: bool = False):
     its own, ``b`` is not read."""
     from ..kernels.grouped_gemm.gluon_fp8 import SWIGLU_VARIANTS, VARIANTS
     G = draw(st.integers(1, 8))
-    return dict(G=G, K=draw(st.sampled_from([16, 128, 272, 512, 1040])), N=draw(st.sampled_from([8, 64, 200, 384])),
+    K = draw(st.sampled_from([16, 128, 272, 512, 1040, 1536]))
+    return dict(G=G, K=K, N=draw(st.sampled_from([8, 64, 200, 384])),
                 counts=draw(expert_counts(G, draw(st.sampled_from([1, 64, 130, 300])))), lead=draw(st.integers(0, 2)),
                 pad=draw(st.integers(0, 3)), row_scale=not swiglu and draw(st.booleans()),
                 scale=draw(st.sampled_from([1.0, 1e-3, 300.0])), zero_frac=draw(st.sampled_from([0.0, 0.3])),
