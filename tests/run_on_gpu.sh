@@ -9,7 +9,9 @@
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
 #       fp8_gemms (benchmarks/bench_gluon_fp8.py: every Gluon FP8 variant of both forms beside the tl FP8 and bf16
 #       kernels, prefill shapes; its two tables printed whole),
-#       layer (bench_layer.py, with its cProfile reports of the eager and the replayed forward).
+#       layer (bench_layer.py, with its cProfile reports of the eager and the replayed forward),
+#       ablate (benchmarks/ablate_gluon_fp8.py: both Gluon FP8 defaults and the plain GEMM of GEMM1's FLOPs with parts
+#       of their work switched off).
 # WORKERS (default 16): pytest-xdist workers of suite and tests steps; fewer where a few test files with large
 # shapes run side by side (tests/test_gluon_fp8.py's benchmark shapes take several GiB each: -n 16 of them alone
 # outgrows an 80 GB card, where the whole suite spreads them out).
@@ -52,6 +54,12 @@ for step in "$@"; do
     fp8_gemms)
       timeout "$(left)" python3 benchmarks/bench_gluon_fp8.py --out "$out/gluon_fp8.json" > "$out/fp8_gemms.log" 2>&1
       summary fp8_gemms $? "$out/fp8_gemms.log"; tail -19 "$out/fp8_gemms.log" ;;
+    ablate)
+      for run in "gemm1 0,8,1,4,16,31" "gemm2 0,8,3,4,15" "plain 0,15"; do read -r form switches <<< "$run"
+        timeout "$(left)" python3 benchmarks/ablate_gluon_fp8.py --form "$form" --switches "$switches" \
+          --out "$out/ablate.jsonl" >> "$out/ablate.log" 2>&1
+      done
+      summary ablate $? "$out/ablate.log"; cat "$out/ablate.log" ;;
     layer)
       timeout "$(left)" python3 benchmarks/bench_layer.py --out "$out/layer.json" --profile "$out/layer_profile" \
         > "$out/layer.log" 2>&1

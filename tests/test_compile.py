@@ -247,3 +247,38 @@ def test_gluon_fp8_variants_build_for_sm90a_without_spills():
     ring's depth is chosen against it), and no wgmma serialization warning from ptxas (an MMA that could not run
     asynchronously would leave the tensor core idle through each promotion, the thing this kernel is for)."""
     assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_fp8")
+
+
+ABLATION_SCRIPT = r"""
+import os
+import sys
+import tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "benchmarks"))
+os.environ["ABLATE"] = "0"  # nothing switched off, whatever the caller's environment says
+import ablate_gluon_fp8
+from moe_ep.kernels.grouped_gemm import gluon_fp8
+
+def code(module, variant, swiglu):
+    sig, const, opts = module.compile_signature(variant, swiglu=swiglu)
+    k = triton.compile(GluonASTSource(module._gluon_fp8_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    # the PTX before its debug sections (they name the source file), without comments and line markers
+    return [line for line in k.asm["ptx"].split(".section\t.debug")[0].splitlines()
+            if not line.strip().startswith(("//", ".loc", ".file"))]
+
+with tempfile.TemporaryDirectory() as d:
+    ablated = ablate_gluon_fp8.ablated_module(os.path.join(d, "gluon_fp8_ablated.py"))
+    for variant, swiglu in (("coop", True), (gluon_fp8.DEFAULT_VARIANT, False)):
+        assert code(ablated, variant, swiglu) == code(gluon_fp8, variant, swiglu), (variant, swiglu)
+print("ablation baseline: the production kernel's PTX")
+"""
+
+
+def test_the_ablation_tool_with_nothing_switched_off_builds_the_production_kernel():
+    """``benchmarks/ablate_gluon_fp8.py`` patches a copy of the Gluon FP8 kernel: its patches still apply to the kernel
+    as it is, and with no switch set (``ABLATE`` 0) the copy builds for sm_90a to the kernel's own PTX, GEMM1's and
+    GEMM2's default variants, so that an ablation's baseline row is the kernel users run."""
+    assert "production kernel's PTX" in _run(ABLATION_SCRIPT)
