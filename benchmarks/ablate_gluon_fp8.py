@@ -9,7 +9,9 @@ constexpr ``ABLATE`` read from the environment at import, so each switch set run
 - 2 (with 1) one MMA left in flight across the K steps;
 - 4 store: the output's stores masked off by a condition false at run time (the values are still computed);
 - 8 scale loads: the block factors are the constant 1 (the global loads only: SCALES' shared-memory reads stay);
-- 16 (GEMM1) epilogue: no SwiGLU or quantization, the sums reduced per row and stored under a false condition.
+- 16 (GEMM1) epilogue: no SwiGLU or quantization, the sums reduced per row and stored under a false condition;
+- 32 (GEMM2's form) two w boxes: each K step's 128-row w tile loaded as two TMA boxes of 64 rows, as GEMM1's slots
+  are filled (its gate rows and its up rows), not one (a switch that adds work: set it alone against 0).
 
 A switched-off kernel computes wrong numbers; only its time is read. Each row: 32 experts, uniform rows, CUDA-graph
 median, us and TFLOP/s. From the repository root, on an H100 / H200:
@@ -95,6 +97,20 @@ def _promoted_sums("""),
                     if ABLATE & 4:
                         end_s = row0 + (end - row0) * (N < 0).to(gl.int32)
                     store_fp8_block(h0, h1, out_ptr, os_ptr, row0, end_s, n0, N)"""),
+    ("32: two w boxes", "                        _tma_load(w_desc, [g * N + n0, ks * BK], bar, w_ring.index(slot))\n",
+     """                        if ABLATE & 32:
+                            _tma_load(w_desc, [g * N + n0, ks * BK], bar, w_ring.index(slot).slice(0, HALF, dim=0))
+                            _tma_load(w_desc, [g * N + n0 + HALF, ks * BK], bar,
+                                      w_ring.index(slot).slice(HALF, HALF, dim=0))
+                        else:
+                            _tma_load(w_desc, [g * N + n0, ks * BK], bar, w_ring.index(slot))
+"""),
+    ("32: two w boxes", "BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU else 1)",
+     "BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU or ABLATE & 32 else 1)"),
+    ("32: two w boxes", "wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,",
+     "wq.contiguous().view(G * R, K), [block_n // 2 if swiglu or ABLATE.value & 32 else block_n,"),
+    ("32: two w boxes", "tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}]",
+     "tensordesc<fp8e4nv[{block_n // 2 if swiglu or ABLATE.value & 32 else block_n}, {BLOCK_K}]"),
 ]
 
 GEMM2_STORE = ("                cols = n0 + c_off\n", "        first = last\n")

@@ -11,7 +11,7 @@
 #       kernels, prefill shapes; its two tables printed whole),
 #       layer (bench_layer.py, with its cProfile reports of the eager and the replayed forward),
 #       ablate (benchmarks/ablate_gluon_fp8.py: both Gluon FP8 defaults and the plain GEMM of GEMM1's FLOPs with parts
-#       of their work switched off).
+#       of their work switched off; the plain GEMM also with its w tile as GEMM1's two boxes).
 # WORKERS (default 16): pytest-xdist workers of suite and tests steps; fewer where a few test files with large
 # shapes run side by side (tests/test_gluon_fp8.py's benchmark shapes take several GiB each: -n 16 of them alone
 # outgrows an 80 GB card, where the whole suite spreads them out).
@@ -55,7 +55,7 @@ for step in "$@"; do
       timeout "$(left)" python3 benchmarks/bench_gluon_fp8.py --out "$out/gluon_fp8.json" > "$out/fp8_gemms.log" 2>&1
       summary fp8_gemms $? "$out/fp8_gemms.log"; tail -19 "$out/fp8_gemms.log" ;;
     ablate)
-      for run in "gemm1 0,8,1,4,16,31" "gemm2 0,8,3,4,15" "plain 0,15"; do read -r form switches <<< "$run"
+      for run in "gemm1 0,8,1,4,16,31" "gemm2 0,8,3,4,15" "plain 0,32,15,47"; do read -r form switches <<< "$run"
         timeout "$(left)" python3 benchmarks/ablate_gluon_fp8.py --form "$form" --switches "$switches" \
           --out "$out/ablate.jsonl" >> "$out/ablate.log" 2>&1
       done
