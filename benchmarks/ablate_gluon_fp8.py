@@ -105,8 +105,8 @@ def _promoted_sums("""),
                         else:
                             _tma_load(w_desc, [g * N + n0, ks * BK], bar, w_ring.index(slot))
 """),
-    ("32: two w boxes", "BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU else 1)",
-     "BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU or ABLATE & 32 else 1)"),
+    ("32: two w boxes", "w_desc.block_type.shape[0] * (2 if SWIGLU else 1)",
+     "w_desc.block_type.shape[0] * (2 if SWIGLU or ABLATE & 32 else 1)"),
     ("32: two w boxes", "wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,",
      "wq.contiguous().view(G * R, K), [block_n // 2 if swiglu or ABLATE.value & 32 else block_n,"),
     ("32: two w boxes", "tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}]",

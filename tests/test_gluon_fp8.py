@@ -280,7 +280,8 @@ class _KernelStandIn:
 
     def __getitem__(self, grid):
         def run(*args, **kw):
-            self.launches.append(dict(kw, xs=args[2], ws=args[3], o_desc=args[13], xs_desc=args[14], ws_desc=args[15]))
+            self.launches.append(dict(kw, w_desc=args[1], xs=args[2], ws=args[3], o_desc=args[13], xs_desc=args[14],
+                                      ws_desc=args[15]))
         return run
 
 
@@ -332,6 +333,33 @@ def test_scales_variant_falls_back_to_global_loads_where_tma_cannot_read_the_sca
         assert kw["xs_desc"].base is kw["xs"] and list(kw["xs_desc"].block_shape) == [128, gluon_fp8.SCALE_BOX]
         assert kw["ws_desc"].base.shape == (G * N // 128, kb) and list(kw["ws_desc"].block_shape) == \
             [1, gluon_fp8.SCALE_BOX]
+
+
+@pytest.mark.parametrize("variant, one_box", [("coop_one_box", True), ("coop", False)])
+def test_one_box_variant_loads_a_slot_s_gate_and_up_rows_by_one_3d_box(monkeypatch, variant, one_box):
+    """GEMM1's ONE_BOX variant launches with a 3-D descriptor over w13 seen as ``[2G, I, K]`` (expert g's gate rows at
+    2g, its up rows at 2g + 1) of ``[2, 64, 128]`` boxes, the rows ``coop``'s two 64-row boxes of ``[G * 2I, K]``
+    bring; ``coop`` keeps the 2-D one. Checked on CPU tensors with the kernel stood in for."""
+    stand_in = _KernelStandIn()
+    monkeypatch.setattr(gluon_fp8, "_gluon_fp8_kernel", stand_in)
+    G, I, K, M = 3, 192, 256, 4
+    x, w13 = _x(M, K), _w(G, 2 * I, K, gate_up=True)
+    codes = w13.data.view(torch.uint8)
+    codes.copy_(torch.randint(0, 120, codes.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    out = torch.empty(M, I, dtype=torch.float8_e4m3fn)
+    out_scales = torch.empty(M, 2)
+    gluon_fp8.launch(x.data, x.scales, w13.data, w13.scales, torch.tensor([0, 2, 2, M], dtype=torch.int32), out,
+                     out_scales, None, variant, swiglu=True, num_programs=1)
+    (kw, ) = stand_in.launches
+    d = kw["w_desc"]
+    assert kw["ONE_BOX"] == one_box and kw["SWIGLU"]
+    if one_box:
+        assert list(d.shape) == [2 * G, I, K] and list(d.block_shape) == [2, 64, 128]
+        rows = d.base.view(torch.uint8)
+        g, n = 1, 64  # expert 1's gate row 64 and up row 64: the first row of each half of a box at [2, 64, 0]
+        assert torch.equal(rows[2 * g, n], codes[g, n]) and torch.equal(rows[2 * g + 1, n], codes[g, I + n])
+    else:
+        assert list(d.shape) == [G * 2 * I, K] and list(d.block_shape) == [64, 128]
 
 
 def test_gemm2_default_is_the_paired_tma_store_only_under_a_triton_it_was_verified_under():

@@ -50,7 +50,10 @@ block of the output, so that its epilogue sees every value a scale is the amax o
 gate rows over their 64 up rows (two TMA boxes into the slot's halves), one wgmma of N 128 gives both halves' product,
 and the promotion takes gate's scale for the first 64 columns and up's for the rest. Between the passes a warpgroup
 keeps the first pass's 64 x 64 SwiGLU values; x's tile is loaded again for the second (from L2). The epilogue
-(``gluon_fp8_swiglu``) quantizes the block from both passes.
+(``gluon_fp8_swiglu``) quantizes the block from both passes. ONE_BOX (``coop_one_box``, built for sm_90a, not yet run
+on a GPU) brings a slot's gate and up rows in one 3-D TMA box over w13 seen as ``[2G, I, K]``, not two 64-row boxes: the
+same bytes into the same shared memory, a TMA load fewer a K step (GEMM1 runs at 52% of the FP8 peak with its
+promotion, scales and store switched off, where GEMM2's form reaches 64%).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class Variant(NamedTuple):
     tma_store: bool = False  # TMA_STORE (GEMM2's form): a warpgroup's whole 64-row tiles stored through shared memory
     paired: bool = False  # PAIRED (no OVERLAP): K steps in pairs, each step's scales multiplied a step after loading
     scales: bool = False  # SCALES (GEMM2's form, coop's K loop): each K step's block scales in its ring slot, by TMA
+    one_box: bool = False  # ONE_BOX (GEMM1's form): a slot's gate and up rows in one 3-D TMA box, not two 2-D ones
 
 
 VARIANTS = {
@@ -132,6 +136,9 @@ SWIGLU_VARIANTS = {
     # OVERLAP never: two products of 128 columns would spill
     "coop": Variant(2, False, 128, 4),  # two warpgroups on 128 rows x 128 channels, each pass's slot 64 gate + 64 up
     "single": Variant(1, False, 128, 8),  # one warpgroup on 64 rows x 128 channels, a deeper ring
+    # coop with a slot's 64 gate and 64 up rows brought in by one TMA box over w13 seen as [2G, I, K] (ONE_BOX); built,
+    # not yet run on a GPU
+    "coop_one_box": Variant(2, False, 128, 4, one_box=True),
 }
 """GEMM1's variants (:func:`gluon_fp8_swiglu_grouped_gemm`), as :data:`VARIANTS`: a tile is 128 output channels, one
 scale block, in two passes of 64 (a warpgroup holds one pass's 64 x 128 sums and product, and the first pass's
@@ -172,6 +179,13 @@ def out_tile_layout(block_n: int):
     return gl.NVMMASharedLayout.get_default_for([WG_ROWS, block_n], gl.bfloat16)
 
 
+def gate_up_box_layout():
+    """ONE_BOX: the shared layout of a GEMM1 slot's w tile as its TMA box writes it, ``[2, 64, 128]`` (gate's rows,
+    up's): the 128-byte swizzle of the slot's ``[128, 128]`` tile, which the MMA reads (the swizzle follows the byte
+    address, and 64 rows are whole swizzle periods)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+
+
 def shared_layouts(block_m: int, block_n: int) -> dict:
     """The NVMMA shared layouts of the x and w ring slots (also the compile check's descriptor types)."""
     return {"x": gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float8e4nv),
@@ -204,11 +218,13 @@ def _k_steps(K, BK: gl.constexpr, OVERLAP: gl.constexpr):
 
 @gluon.jit
 def _producer(x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty, M, N, K, G,
-              N_TILES, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr, SCALES: gl.constexpr):
+              N_TILES, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr, SCALES: gl.constexpr,
+              ONE_BOX: gl.constexpr):
     """1 warp: for every tile of this program (and with SWIGLU each of its two passes), fill ring slot i % STAGES with
     K step i's x and w tiles once every consumer freed it (:func:`_k_steps` of them a pass). SWIGLU: w is
     ``[G * 2N, K]`` (gate rows, then up rows), and a slot's w tile is the pass's gate rows over its up rows. SCALES:
-    also the 4-block-wide boxes of x's scales (the tile's rows) and w's (its scale row) that hold step i's."""
+    also the 4-block-wide boxes of x's scales (the tile's rows) and w's (its scale row) that hold step i's. ONE_BOX:
+    w13 is seen as ``[2G, N, K]`` (expert g's gate rows at 2g, its up rows at 2g + 1), a slot's w tile one box."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_ring.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -237,7 +253,10 @@ def _producer(x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_rin
                     bar = ready.index(slot)
                     mbarrier.expect(bar, nbytes)
                     _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
-                    if SWIGLU:
+                    if ONE_BOX:
+                        _tma_load(w_desc, [2 * g, n0 + p * HALF, ks * BK], bar,
+                                  w_ring.index(slot).reshape([2, HALF, BK]))
+                    elif SWIGLU:
                         gate = g * 2 * N + n0 + p * HALF  # row of the [G * 2N, K] weight view
                         _tma_load(w_desc, [gate, ks * BK], bar, w_ring.index(slot).slice(0, HALF, dim=0))
                         _tma_load(w_desc, [gate + N, ks * BK], bar, w_ring.index(slot).slice(HALF, HALF, dim=0))
@@ -494,24 +513,29 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring,
 def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, M, N, K, G, N_TILES, o_desc,
                       xs_desc, ws_desc, CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr,
                       HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr,
-                      SCALES: gl.constexpr):
+                      SCALES: gl.constexpr, ONE_BOX: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). N: the output's
     columns (GEMM1: I, of w's 2I rows per expert). ``o_desc``: with TMA_STORE a descriptor over out ``[M, N]`` of
     ``[64, BLOCK_N]`` boxes, else out again (unread). ``xs_desc``, ``ws_desc``: with SCALES descriptors over x's
     scales ``[M, KB]`` of ``[BLOCK_M, SCALE_BOX]`` boxes and w's ``[G * NB, KB]`` of ``[1, SCALE_BOX]``, else the
-    scale pointers again (unread)."""
+    scale pointers again (unread). ONE_BOX: ``w_desc`` is 3-D, over w13 seen as ``[2G, N, K]`` of ``[2, 64, 128]``
+    boxes."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    # GEMM1: a slot's w tile is the gate and up boxes stacked
-    BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU else 1)
+    # GEMM1: a slot's w tile is the gate and up boxes stacked (ONE_BOX: one box of both)
+    BN: gl.constexpr = 2 * w_desc.block_type.shape[1] if ONE_BOX else w_desc.block_type.shape[0] * (2 if SWIGLU else 1)
+    # (ONE_BOX: the 2-D view of the box's bytes that the MMA reads)
+    W_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8) if ONE_BOX \
+        else w_desc.layout
     gl.static_assert(BM == _WG_ROWS * CONSUMERS, "a math warpgroup per 64 tile rows")
     gl.static_assert(128 % BN == 0, "the tile's weight rows lie in one 128-row scale block")
     gl.static_assert(not SWIGLU or (BN == 128 and not OVERLAP and not HAS_RS),
                      "GEMM1: one 128-channel scale block a tile, one product in flight, no routing weight")
     gl.static_assert(not (SWIGLU and TMA_STORE), "TMA_STORE: GEMM2's form")
     gl.static_assert(not SCALES or not (SWIGLU or OVERLAP or PAIRED), "SCALES: GEMM2's form, coop's K loop")
+    gl.static_assert(not ONE_BOX or SWIGLU, "ONE_BOX: GEMM1's form")
     x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_desc.layout)
-    w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], w_desc.layout)
+    w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], W_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     if TMA_STORE:  # a staging tile a math warpgroup
@@ -537,7 +561,7 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
                          empty, M, N, K, G, N_TILES, o_desc, o_tiles.index(1), 1, CONSUMERS, STAGES, OVERLAP, HAS_RS,
                          SWIGLU, TMA_STORE, PAIRED, SCALES)),
             (_producer, (x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty,
-                         M, N, K, G, N_TILES, STAGES, OVERLAP, SWIGLU, SCALES)),
+                         M, N, K, G, N_TILES, STAGES, OVERLAP, SWIGLU, SCALES, ONE_BOX)),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
@@ -545,7 +569,7 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
                          empty, M, N, K, G, N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS,
                          SWIGLU, TMA_STORE, PAIRED, SCALES)),
             (_producer, (x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty,
-                         M, N, K, G, N_TILES, STAGES, OVERLAP, SWIGLU, SCALES)),
+                         M, N, K, G, N_TILES, STAGES, OVERLAP, SWIGLU, SCALES, ONE_BOX)),
         ], [1], [24])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
@@ -673,7 +697,8 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     whose ``out`` is not :func:`tma_storable` stores from registers), the persistent grid ``num_programs``.
     Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box and the up box fill
     one), and with TMA_STORE over out ``[M, N]``."""
-    consumers, overlap, block_n, stages, tma_store, paired, scales = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    consumers, overlap, block_n, stages, tma_store, paired, scales, one_box = (SWIGLU_VARIANTS if swiglu
+                                                                               else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
     G, R, K = wq.shape
     xq = xq.contiguous()
@@ -681,8 +706,12 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
         xq = xq.clone()
     lay = shared_layouts(block_m, block_n)
     x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
-    w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,
-                                                                          BLOCK_K], lay["w"])
+    if one_box:  # expert g's gate rows at 2g, its up rows at 2g + 1: a slot's gate and up boxes are one
+        w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(2 * G, R // 2, K), [2, block_n // 2, BLOCK_K],
+                                              gate_up_box_layout())
+    else:
+        w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,
+                                                                              BLOCK_K], lay["w"])
     xs, ws = xs.contiguous(), ws.contiguous()
     rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
     n_out = R // 2 if swiglu else R
@@ -697,7 +726,8 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws, rs, out, out_scales, offsets, xq.shape[0], n_out, K, G,
                                         n_tiles, o_desc, xs_desc, ws_desc, CONSUMERS=consumers, OVERLAP=overlap,
                                         STAGES=stages, HAS_RS=row_scale is not None, SWIGLU=swiglu,
-                                        TMA_STORE=tma_store, PAIRED=paired, SCALES=scales, num_warps=4)
+                                        TMA_STORE=tma_store, PAIRED=paired, SCALES=scales, ONE_BOX=one_box,
+                                        num_warps=4)
 
 
 def _programs(x: Fp8Tensor, num_programs: int | None) -> int:
@@ -771,13 +801,15 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
     """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant (of :data:`VARIANTS`, or
     with ``swiglu`` of :data:`SWIGLU_VARIANTS`), as a launch builds it, for a GPU-less ``triton.compile`` (compile
     checks)."""
-    consumers, overlap, block_n, stages, tma_store, paired, scales = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    consumers, overlap, block_n, stages, tma_store, paired, scales, one_box = (SWIGLU_VARIANTS if swiglu
+                                                                               else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
     lay = shared_layouts(block_m, block_n)
     box = scale_box_layout()
     out_type = "*fp8e4nv" if swiglu else "*bf16"
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, {BLOCK_K}],{lay['x']!r}>",
-           "w_desc": f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>",
+           "w_desc": (f"tensordesc<fp8e4nv[2, {block_n // 2}, {BLOCK_K}],{gate_up_box_layout()!r}>" if one_box else
+                      f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>"),
            "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": out_type,
            "os_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
            "o_desc": f"tensordesc<bf16[{WG_ROWS}, {block_n}],{out_tile_layout(block_n)!r}>" if tma_store else out_type,
@@ -785,9 +817,10 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
            "ws_desc": f"tensordesc<fp32[1, {SCALE_BOX}],{box!r}>" if scales else "*fp32",
            "CONSUMERS": "constexpr", "OVERLAP": "constexpr", "STAGES": "constexpr", "HAS_RS": "constexpr",
            "SWIGLU": "constexpr", "TMA_STORE": "constexpr", "PAIRED": "constexpr",
-           "SCALES": "constexpr"}
+           "SCALES": "constexpr", "ONE_BOX": "constexpr"}
     return (sig, {"CONSUMERS": consumers, "OVERLAP": overlap, "STAGES": stages, "HAS_RS": has_rs and not swiglu,
-                  "SWIGLU": swiglu, "TMA_STORE": tma_store, "PAIRED": paired, "SCALES": scales}, dict(num_warps=4))
+                  "SWIGLU": swiglu, "TMA_STORE": tma_store, "PAIRED": paired, "SCALES": scales,
+                  "ONE_BOX": one_box}, dict(num_warps=4))
 
 
 __all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
