@@ -696,7 +696,8 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     ``out_scales``), ``variant`` of :data:`VARIANTS` (with ``swiglu``, :data:`SWIGLU_VARIANTS`; a TMA_STORE variant
     whose ``out`` is not :func:`tma_storable` stores from registers), the persistent grid ``num_programs``.
     Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box and the up box fill
-    one), and with TMA_STORE over out ``[M, N]``."""
+    one; with ONE_BOX over w ``[2G, R / 2, K]``, a box of both), with TMA_STORE over out ``[M, N]``, and with SCALES
+    over the scales (:func:`scales_loadable`)."""
     consumers, overlap, block_n, stages, tma_store, paired, scales, one_box = (SWIGLU_VARIANTS if swiglu
                                                                                else VARIANTS)[variant]
     block_m = WG_ROWS * consumers
