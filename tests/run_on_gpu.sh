@@ -4,7 +4,8 @@
 #                                               (Triton 3.9 from the kit in .triton-kit: carry it; build it here first
 #                                               with bash shared/tools/triton-kit/make_kit.sh .triton-kit)
 # STEP: suite (every test but the CPU compile checks; with 39 less the one_triton tests, as CI's second run),
-#       tests:"PYTEST ARGS" (some test files), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
+#       tests:"PYTEST ARGS" (some test files; the args split as a shell would, so that -k "'a and not b'" keeps its
+#       expression whole), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
 #       fp8_gemms (benchmarks/bench_gluon_fp8.py: every Gluon FP8 variant of both forms beside the tl FP8 and bf16
@@ -41,7 +42,8 @@ for step in "$@"; do
         --durations=25 tests --ignore=tests/test_compile.py "${only[@]}" > "$out/suite$tri.log" 2>&1
       summary suite $? "$out/suite$tri.log" ;;
     tests:*)
-      timeout -s INT -k 30 "$(left)" python3 -m pytest -q -n "${WORKERS:-16}" $dist -p no:cacheprovider ${step#tests:} \
+      mapfile -t args < <(python3 -c 'import shlex, sys; print("\n".join(shlex.split(sys.argv[1])))' "${step#tests:}")
+      timeout -s INT -k 30 "$(left)" python3 -m pytest -q -n "${WORKERS:-16}" $dist -p no:cacheprovider "${args[@]}" \
         > "$out/tests$tri.log" 2>&1
       summary tests $? "$out/tests$tri.log" ;;
     fp8_bench)
