@@ -687,6 +687,13 @@ def check_gluon_fp8_swiglu(x: Fp8Tensor, w13: Fp8Tensor, offsets: torch.Tensor, 
     _check_devices(x, w13, offsets)
 
 
+def _constexprs(spec: Variant, swiglu: bool, has_rs: bool, tma_store: bool, scales: bool) -> dict:
+    """:func:`_gluon_fp8_kernel`'s constexpr arguments, in its order, for variant ``spec`` of the form ``swiglu``:
+    TMA_STORE and SCALES as the launch takes them (a variant's, or off where its tensors do not allow them)."""
+    return dict(CONSUMERS=spec.consumers, OVERLAP=spec.overlap, STAGES=spec.stages, HAS_RS=has_rs and not swiglu,
+                SWIGLU=swiglu, TMA_STORE=tma_store, PAIRED=spec.paired, SCALES=scales, ONE_BOX=spec.one_box)
+
+
 def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offsets: torch.Tensor,
            out: torch.Tensor, out_scales: torch.Tensor, row_scale: torch.Tensor | None, variant: str, *, swiglu: bool,
            num_programs: int) -> None:
@@ -698,16 +705,15 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box and the up box fill
     one; with ONE_BOX over w ``[2G, R / 2, K]``, a box of both), with TMA_STORE over out ``[M, N]``, and with SCALES
     over the scales (:func:`scales_loadable`)."""
-    consumers, overlap, block_n, stages, tma_store, paired, scales, one_box = (SWIGLU_VARIANTS if swiglu
-                                                                               else VARIANTS)[variant]
-    block_m = WG_ROWS * consumers
+    spec = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    block_m, block_n = WG_ROWS * spec.consumers, spec.block_n
     G, R, K = wq.shape
     xq = xq.contiguous()
     if xq.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         xq = xq.clone()
     lay = shared_layouts(block_m, block_n)
     x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
-    if one_box:  # expert g's gate rows at 2g, its up rows at 2g + 1: a slot's gate and up boxes are one
+    if spec.one_box:  # expert g's gate rows at 2g, its up rows at 2g + 1: a slot's gate and up boxes are one
         w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(2 * G, R // 2, K), [2, block_n // 2, BLOCK_K],
                                               gate_up_box_layout())
     else:
@@ -717,18 +723,16 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
     n_out = R // 2 if swiglu else R
     n_tiles = -(-n_out // block_n)
-    tma_store = tma_store and tma_storable(out)
+    tma_store = spec.tma_store and tma_storable(out)
     o_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], out_tile_layout(block_n)) if tma_store else out
-    scales = scales and scales_loadable(xs, ws)
+    scales = spec.scales and scales_loadable(xs, ws)
     xs_desc, ws_desc = xs, ws  # unread without SCALES
     if scales:
         xs_desc = TensorDescriptor.from_tensor(xs, [block_m, SCALE_BOX], scale_box_layout())
         ws_desc = TensorDescriptor.from_tensor(ws.view(-1, ws.shape[-1]), [1, SCALE_BOX], scale_box_layout())
     _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws, rs, out, out_scales, offsets, xq.shape[0], n_out, K, G,
-                                        n_tiles, o_desc, xs_desc, ws_desc, CONSUMERS=consumers, OVERLAP=overlap,
-                                        STAGES=stages, HAS_RS=row_scale is not None, SWIGLU=swiglu,
-                                        TMA_STORE=tma_store, PAIRED=paired, SCALES=scales, ONE_BOX=one_box,
-                                        num_warps=4)
+                                        n_tiles, o_desc, xs_desc, ws_desc, num_warps=4,
+                                        **_constexprs(spec, swiglu, row_scale is not None, tma_store, scales))
 
 
 def _programs(x: Fp8Tensor, num_programs: int | None) -> int:
@@ -802,26 +806,23 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
     """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant (of :data:`VARIANTS`, or
     with ``swiglu`` of :data:`SWIGLU_VARIANTS`), as a launch builds it, for a GPU-less ``triton.compile`` (compile
     checks)."""
-    consumers, overlap, block_n, stages, tma_store, paired, scales, one_box = (SWIGLU_VARIANTS if swiglu
-                                                                               else VARIANTS)[variant]
-    block_m = WG_ROWS * consumers
+    spec = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+    block_m, block_n = WG_ROWS * spec.consumers, spec.block_n
+    consts = _constexprs(spec, swiglu, has_rs, spec.tma_store, spec.scales)
     lay = shared_layouts(block_m, block_n)
     box = scale_box_layout()
     out_type = "*fp8e4nv" if swiglu else "*bf16"
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, {BLOCK_K}],{lay['x']!r}>",
-           "w_desc": (f"tensordesc<fp8e4nv[2, {block_n // 2}, {BLOCK_K}],{gate_up_box_layout()!r}>" if one_box else
-                      f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>"),
+           "w_desc": (f"tensordesc<fp8e4nv[2, {block_n // 2}, {BLOCK_K}],{gate_up_box_layout()!r}>" if spec.one_box
+                      else f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>"),
            "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": out_type,
            "os_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
-           "o_desc": f"tensordesc<bf16[{WG_ROWS}, {block_n}],{out_tile_layout(block_n)!r}>" if tma_store else out_type,
-           "xs_desc": f"tensordesc<fp32[{block_m}, {SCALE_BOX}],{box!r}>" if scales else "*fp32",
-           "ws_desc": f"tensordesc<fp32[1, {SCALE_BOX}],{box!r}>" if scales else "*fp32",
-           "CONSUMERS": "constexpr", "OVERLAP": "constexpr", "STAGES": "constexpr", "HAS_RS": "constexpr",
-           "SWIGLU": "constexpr", "TMA_STORE": "constexpr", "PAIRED": "constexpr",
-           "SCALES": "constexpr", "ONE_BOX": "constexpr"}
-    return (sig, {"CONSUMERS": consumers, "OVERLAP": overlap, "STAGES": stages, "HAS_RS": has_rs and not swiglu,
-                  "SWIGLU": swiglu, "TMA_STORE": tma_store, "PAIRED": paired, "SCALES": scales,
-                  "ONE_BOX": one_box}, dict(num_warps=4))
+           "o_desc": (f"tensordesc<bf16[{WG_ROWS}, {block_n}],{out_tile_layout(block_n)!r}>" if spec.tma_store
+                      else out_type),
+           "xs_desc": f"tensordesc<fp32[{block_m}, {SCALE_BOX}],{box!r}>" if spec.scales else "*fp32",
+           "ws_desc": f"tensordesc<fp32[1, {SCALE_BOX}],{box!r}>" if spec.scales else "*fp32",
+           **{name: "constexpr" for name in consts}}
+    return sig, consts, dict(num_warps=4)
 
 
 __all__ = ["gluon_fp8_grouped_gemm", "gluon_fp8_swiglu_grouped_gemm", "check_gluon_fp8", "check_gluon_fp8_swiglu",
