@@ -106,6 +106,11 @@ class Variant(NamedTuple):
     scales: bool = False  # SCALES (GEMM2's form, coop's K loop): each K step's block scales in its ring slot, by TMA
     one_box: bool = False  # ONE_BOX (GEMM1's form): a slot's gate and up rows in one 3-D TMA box, not two 2-D ones
 
+    @property
+    def block_m(self) -> int:
+        """The tile's x rows: 64 a math warpgroup."""
+        return WG_ROWS * self.consumers
+
 
 VARIANTS = {
     "coop": Variant(2, False, 128, 4),  # two warpgroups on one 128 x 128 tile; each waits for its MMA, then promotes
@@ -145,6 +150,13 @@ scale block, in two passes of 64 (a warpgroup holds one pass's 64 x 128 sums and
 64 x 64 SwiGLU values through the second); a slot takes (64 * CONSUMERS + 128) * 128 bytes (128 KB for coop,
 192 KB for single)."""
 DEFAULT_SWIGLU_VARIANT = "coop"
+
+
+def variant_spec(variant: str, swiglu: bool) -> Variant:
+    """The :class:`Variant` named ``variant``: of :data:`SWIGLU_VARIANTS` (GEMM1's form) with ``swiglu``, else of
+    :data:`VARIANTS`."""
+    return (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
+
 
 # TMA's global -> shared copy: Triton 3.6 ``async_copy_global_to_shared``, 3.9 ``async_load`` (the same arguments:
 # descriptor, coordinates, mbarrier, destination)
@@ -705,8 +717,8 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box and the up box fill
     one; with ONE_BOX over w ``[2G, R / 2, K]``, a box of both), with TMA_STORE over out ``[M, N]``, and with SCALES
     over the scales (:func:`scales_loadable`)."""
-    spec = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
-    block_m, block_n = WG_ROWS * spec.consumers, spec.block_n
+    spec = variant_spec(variant, swiglu)
+    block_m, block_n = spec.block_m, spec.block_n
     G, R, K = wq.shape
     xq = xq.contiguous()
     if xq.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
@@ -806,8 +818,8 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
     """(signature, constexprs, compile options) of :func:`_gluon_fp8_kernel` for a variant (of :data:`VARIANTS`, or
     with ``swiglu`` of :data:`SWIGLU_VARIANTS`), as a launch builds it, for a GPU-less ``triton.compile`` (compile
     checks)."""
-    spec = (SWIGLU_VARIANTS if swiglu else VARIANTS)[variant]
-    block_m, block_n = WG_ROWS * spec.consumers, spec.block_n
+    spec = variant_spec(variant, swiglu)
+    block_m, block_n = spec.block_m, spec.block_n
     consts = _constexprs(spec, swiglu, has_rs, spec.tma_store, spec.scales)
     lay = shared_layouts(block_m, block_n)
     box = scale_box_layout()

@@ -181,8 +181,8 @@ def _gluon_fp8_plan(base: dict) -> GemmPlan:
     from . import gluon_fp8
     swiglu = base["swiglu"]
     variant = gluon_fp8.DEFAULT_SWIGLU_VARIANT if swiglu else gluon_fp8.DEFAULT_VARIANT
-    spec = (gluon_fp8.SWIGLU_VARIANTS if swiglu else gluon_fp8.VARIANTS)[variant]
-    cfg = {"VARIANT": variant, "BLOCK_M": gluon_fp8.WG_ROWS * spec.consumers, "BLOCK_N": spec.block_n}
+    spec = gluon_fp8.variant_spec(variant, swiglu)
+    cfg = {"VARIANT": variant, "BLOCK_M": spec.block_m, "BLOCK_N": spec.block_n}
     return GemmPlan(**dict(base, tma_possible=True), config=cfg, config_source="variant", config_file=None, tma=True,
                     persistent=True, grid=device_facts.sm_count(), path="gluon-fp8")
 
