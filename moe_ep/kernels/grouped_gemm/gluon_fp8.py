@@ -241,7 +241,8 @@ def _producer(x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_rin
     BN: gl.constexpr = w_ring.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     HALF: gl.constexpr = BN // 2
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + BN * BK + (4 * (BM + 1) * _SCALE_BOX if SCALES else 0)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + BN * BK + (
+        xs_desc.block_type.nbytes + ws_desc.block_type.nbytes if SCALES else 0)  # (w: e4m3, a byte an element)
     PASSES: gl.constexpr = 2 if SWIGLU else 1
     pid = gl.program_id(0)
     P = gl.num_programs(0)
