@@ -1,8 +1,8 @@
 """Where the Gluon FP8 GEMMs' time goes: time a variant with parts of its work switched off (ablations).
 
 The switches are not in the kernel. This script copies ``moe_ep/kernels/grouped_gemm/gluon_fp8.py`` into a temporary
-module, patched (:data:`PATCHES`; a patch whose text the kernel no longer has stops the run and names itself), with a
-constexpr ``ABLATE`` read from the environment at import, so each switch set runs in a process of its own:
+module, patched (:data:`PATCHES`; a patch whose text the kernel no longer has stops the run and names itself), with the
+switch set written into it as the constexpr ``ABLATE``; each switch set is timed in a process of its own:
 
 - 1 promotion: the tensor core sums every K block into the accumulator (``use_acc=True``, waited for each step); with
   nothing to scale, no scale loads either;
@@ -43,8 +43,6 @@ PATCHES = [  # (what, the kernel's text, the ablation's)
     ("relative imports", "from ...triton_runtime import", "from moe_ep.triton_runtime import"),
     ("relative imports", "from ..fp8 import", "from moe_ep.kernels.fp8 import"),
     ("relative imports", "from .gluon_fp8_swiglu import", "from moe_ep.kernels.grouped_gemm.gluon_fp8_swiglu import"),
-    ("the switches", "BLOCK_K = FP8_BLOCK  #",
-     "import os\nABLATE = gl.constexpr(int(os.environ.get('ABLATE', '0')))\nBLOCK_K = FP8_BLOCK  #"),
     ("8: scale loads", "    return xs, ws, ws_up\n", """    if ABLATE & 8:  # (the loads above go unused: dropped)
         xs = gl.full(rows.shape, 1.0, gl.float32, layout=rows.type.layout)
         ws = xs
@@ -118,10 +116,15 @@ GEMM2_STORE = ("                cols = n0 + c_off\n", "        first = last\n")
 run time, and keeps the kernel's own block, unchanged, without the switch."""
 
 
-def ablated_module(path: str):
-    """The kernel module with :data:`PATCHES` applied, written to ``path`` and imported."""
+def ablated_module(path: str, switches: int):
+    """The kernel module with :data:`PATCHES` applied and ``switches`` (the module doc's bits) as ``ABLATE``, written
+    to ``path`` and imported."""
     with open(KERNEL) as f:
         src = f.read()
+    anchor = "BLOCK_K = FP8_BLOCK  #"
+    if src.count(anchor) != 1:
+        raise SystemExit(f"ablate_gluon_fp8: the kernel has {anchor!r} {src.count(anchor)} times, not once")
+    src = src.replace(anchor, f"ABLATE = gl.constexpr({int(switches)})\n{anchor}")
     for what, old, new in PATCHES:
         if src.count(old) != 1:
             raise SystemExit(f"ablate_gluon_fp8: the kernel has the text of the patch '{what}' {src.count(old)} times, "
@@ -144,13 +147,13 @@ def ablated_module(path: str):
 
 
 def time_one(form: str, variant: str, switches: int, path: str) -> dict:
-    """Time ``variant`` of ``form`` with ``switches`` off (this process: ``ABLATE`` set before the import)."""
+    """Time ``variant`` of ``form`` with ``switches`` off."""
     import torch
     import moe_ep  # noqa: F401  (before triton)
     from moe_ep.commands.common import uniform_offsets
     from moe_ep.commands.timing import time_graph
     from moe_ep.kernels.fp8 import fp8_scales_shape, quantize_fp8
-    g = ablated_module(path)
+    g = ablated_module(path, switches)
     N, K, rows = SHAPES[form]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -191,13 +194,13 @@ def main():
     from moe_ep.kernels.grouped_gemm import gluon_fp8
     if gluon_fp8.unavailable_reason() is not None:
         raise SystemExit(f"ablate_gluon_fp8: cannot run here: {gluon_fp8.unavailable_reason()}")
-    if a.one is not None:  # the child: ABLATE is in its environment
+    if a.one is not None:  # the child: one switch set
         with tempfile.TemporaryDirectory() as d:
             print(json.dumps(time_one(a.form, variant, a.one, os.path.join(d, "gluon_fp8_ablated.py"))), flush=True)
         return
     for s in (int(v) for v in a.switches.split(",")):
         cmd = [sys.executable, __file__, "--form", a.form, "--variant", variant, "--one", str(s)]
-        r = subprocess.run(cmd, env=dict(os.environ, ABLATE=str(s)), capture_output=True, text=True, timeout=300)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         line = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else None
         if line is None:
             print(f"switches {s}: failed (rc {r.returncode}): {r.stderr.strip().splitlines()[-1:]}", flush=True)

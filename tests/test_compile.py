@@ -257,7 +257,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "benchmarks"))
-os.environ["ABLATE"] = "0"  # nothing switched off, whatever the caller's environment says
 import ablate_gluon_fp8
 from moe_ep.kernels.grouped_gemm import gluon_fp8
 
@@ -270,7 +269,7 @@ def code(module, variant, swiglu):
             if not line.strip().startswith(("//", ".loc", ".file"))]
 
 with tempfile.TemporaryDirectory() as d:
-    ablated = ablate_gluon_fp8.ablated_module(os.path.join(d, "gluon_fp8_ablated.py"))
+    ablated = ablate_gluon_fp8.ablated_module(os.path.join(d, "gluon_fp8_ablated.py"), 0)
     for variant, swiglu in (("coop", True), (gluon_fp8.DEFAULT_VARIANT, False)):
         assert code(ablated, variant, swiglu) == code(gluon_fp8, variant, swiglu), (variant, swiglu)
 print("ablation baseline: the production kernel's PTX")
