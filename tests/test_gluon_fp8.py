@@ -285,15 +285,20 @@ class _KernelStandIn:
         return run
 
 
+@pytest.fixture
+def stand_in(monkeypatch):
+    """A :class:`_KernelStandIn` in ``_gluon_fp8_kernel``'s place for the test."""
+    kernel = _KernelStandIn()
+    monkeypatch.setattr(gluon_fp8, "_gluon_fp8_kernel", kernel)
+    return kernel
+
+
 @pytest.mark.parametrize("n, offset, stored_by_tma", [(24, 0, True), (12, 0, False), (24, 1, False)],
                          ids=["aligned", "24-byte-rows", "base-off-16-bytes"])
-def test_tma_store_variant_falls_back_to_the_register_store_where_tma_cannot_write(monkeypatch, n, offset,
-                                                                                    stored_by_tma):
+def test_tma_store_variant_falls_back_to_the_register_store_where_tma_cannot_write(stand_in, n, offset, stored_by_tma):
     """A TMA_STORE variant's launch stores by TMA (a descriptor over out) only where out's base and rows are 16-byte
     aligned; elsewhere it launches the register store (TMA_STORE off, out itself as the unread descriptor argument),
     which writes the same values. Checked on CPU tensors with the kernel stood in for."""
-    stand_in = _KernelStandIn()
-    monkeypatch.setattr(gluon_fp8, "_gluon_fp8_kernel", stand_in)
     G, K, M = 2, 128, 4
     x, w = _x(M, K), _w(G, n, K)
     out = torch.empty(M * n + offset, dtype=torch.bfloat16)[offset:].view(M, n)
@@ -310,13 +315,11 @@ def test_tma_store_variant_falls_back_to_the_register_store_where_tma_cannot_wri
 
 @pytest.mark.parametrize("K, offset, by_tma", [(512, 0, True), (1024, 0, True), (384, 0, False), (512, 1, False)],
                          ids=["one-box", "two-boxes", "3-blocks", "base-off-16-bytes"])
-def test_scales_variant_falls_back_to_global_loads_where_tma_cannot_read_the_scales(monkeypatch, K, offset, by_tma):
+def test_scales_variant_falls_back_to_global_loads_where_tma_cannot_read_the_scales(stand_in, K, offset, by_tma):
     """A SCALES variant's launch brings the block scales in by TMA (descriptors over x's ``[M, KB]`` scales and w's
     ``[G * NB, KB]`` of 4-block boxes) only where KB is a multiple of 4 and both bases are 16-byte aligned; elsewhere
     it launches coop's K loop (SCALES off, the scale tensors themselves as the unread descriptor arguments), which
     computes the same values. Checked on CPU tensors with the kernel stood in for."""
-    stand_in = _KernelStandIn()
-    monkeypatch.setattr(gluon_fp8, "_gluon_fp8_kernel", stand_in)
     G, N, M = 2, 256, 4
     x, w = _x(M, K), _w(G, N, K)
     kb = K // 128
@@ -336,12 +339,10 @@ def test_scales_variant_falls_back_to_global_loads_where_tma_cannot_read_the_sca
 
 
 @pytest.mark.parametrize("variant, one_box", [("coop_one_box", True), ("coop", False)])
-def test_one_box_variant_loads_a_slot_s_gate_and_up_rows_by_one_3d_box(monkeypatch, variant, one_box):
+def test_one_box_variant_loads_a_slot_s_gate_and_up_rows_by_one_3d_box(stand_in, variant, one_box):
     """GEMM1's ONE_BOX variant launches with a 3-D descriptor over w13 seen as ``[2G, I, K]`` (expert g's gate rows at
     2g, its up rows at 2g + 1) of ``[2, 64, 128]`` boxes, the rows ``coop``'s two 64-row boxes of ``[G * 2I, K]``
     bring; ``coop`` keeps the 2-D one. Checked on CPU tensors with the kernel stood in for."""
-    stand_in = _KernelStandIn()
-    monkeypatch.setattr(gluon_fp8, "_gluon_fp8_kernel", stand_in)
     G, I, K, M = 3, 192, 256, 4
     x, w13 = _x(M, K), _w(G, 2 * I, K, gate_up=True)
     codes = w13.data.view(torch.uint8)
