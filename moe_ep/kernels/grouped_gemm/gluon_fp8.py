@@ -40,7 +40,9 @@ waiting on those loads: 8-10% of GEMM2's time by ablation), with ``coop``'s oper
 (``coop_tma_store_scales``, built for sm_90a, not yet run on a GPU) has the producer bring each K step's block scales
 into its ring slot by TMA with its tiles (x's for the tile's rows and w's, 4-block boxes: :func:`scales_loadable`),
 so that the math warpgroups read them from shared memory and the ring's depth covers their latency (the loads still
-cost 11% of the paired variant's time by ablation).
+cost 11% of the paired variant's time by ablation). ORDERED (``coop_tma_store_paired_ordered``, and GEMM1's
+``coop_ordered``; built for sm_90a, not yet run on a GPU) has the two math warpgroups issue each slot's MMAs in turn,
+so that one warpgroup's promotion runs beside the other's MMA rather than both promoting at once (:func:`_mma_step`).
 
 GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
 gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
@@ -105,6 +107,7 @@ class Variant(NamedTuple):
     paired: bool = False  # PAIRED (no OVERLAP): K steps in pairs, each step's scales multiplied a step after loading
     scales: bool = False  # SCALES (GEMM2's form, coop's K loop): each K step's block scales in its ring slot, by TMA
     one_box: bool = False  # ONE_BOX (GEMM1's form): a slot's gate and up rows in one 3-D TMA box, not two 2-D ones
+    ordered: bool = False  # ORDERED (two consumers): the warpgroups issue each ring slot's MMAs in turn, 0 then 1
 
     @property
     def block_m(self) -> int:
@@ -124,6 +127,9 @@ VARIANTS = {
     # coop_tma_store with each K step's block scales brought into its ring slot by the producer (SCALES); built, not
     # yet run on a GPU
     "coop_tma_store_scales": Variant(2, False, 128, 4, True, False, True),
+    # coop_tma_store_paired with the warpgroups' MMAs issued in turn (ORDERED); built, not yet run on a GPU
+    "coop_tma_store_paired_ordered": Variant(2, False, 128, 4, True, True, ordered=True),
+    "coop_tma_store_scales_ordered": Variant(2, False, 128, 4, True, False, True, ordered=True),  # (both; not yet run)
 }
 """Variant name -> :class:`Variant`. A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes (128-144 KB of shared
 memory at these depths; TMA_STORE adds 16 KB a math warpgroup). With OVERLAP a warpgroup holds two products besides
@@ -144,6 +150,9 @@ SWIGLU_VARIANTS = {
     # coop with a slot's 64 gate and 64 up rows brought in by one TMA box over w13 seen as [2G, I, K] (ONE_BOX); built,
     # not yet run on a GPU
     "coop_one_box": Variant(2, False, 128, 4, one_box=True),
+    # coop with the warpgroups' MMAs issued in turn (ORDERED); built, not yet run on a GPU
+    "coop_ordered": Variant(2, False, 128, 4, ordered=True),
+    "coop_one_box_ordered": Variant(2, False, 128, 4, one_box=True, ordered=True),  # (both; not yet run)
 }
 """GEMM1's variants (:func:`gluon_fp8_swiglu_grouped_gemm`), as :data:`VARIANTS`: a tile is 128 output channels, one
 scale block, in two passes of 64 (a warpgroup holds one pass's 64 x 128 sums and product, and the first pass's
@@ -343,12 +352,24 @@ def _scaled(d, s, s_up, up_cols, SWIGLU: gl.constexpr):
 def _mma_step(x_ring, w_ring, ready, i, spare, WG: gl.constexpr, STAGES: gl.constexpr):
     """Wait for ring slot i % STAGES and issue this warpgroup's MMA of it (its 64 x rows times the w tile^T),
     asynchronously, its product summed on its own (``use_acc=False``) into the registers of ``spare`` (a product
-    already promoted: reusing its registers keeps a dead buffer from being copied or a zero tile from staying live)."""
+    already promoted: reusing its registers keeps a dead buffer from being copied or a zero tile from staying live).
+    ``ready``: the slots' barriers, and with ORDERED two more after them, the warpgroups' turns (count 1 each):
+    warpgroup 0 issues ring position i's MMA once warpgroup 1 has issued i - 1's, and warpgroup 1 once warpgroup 0
+    has issued i's, so that the tensor core takes one warpgroup's MMA after the other's, and one warpgroup's
+    promotion runs beside the other's MMA (both issued together, the two would share the tensor core, end together
+    and leave it idle while both promote). A turn barrier is never more than one phase ahead of its waiter."""
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
     a = x_ring.index(slot).slice(WG * spare.shape[0], spare.shape[0], dim=0)
     b = w_ring.index(slot).permute((1, 0))
-    return warpgroup_mma(a, b, spare, use_acc=False, is_async=True)
+    if ready.shape[0] > STAGES:  # ORDERED
+        # (a fresh barrier counts as having completed the phase before phase 0: warpgroup 0's first wait passes)
+        mbarrier.wait(ready.index(STAGES + WG), (i & 1) ^ (1 - WG))
+        product = warpgroup_mma(a, b, spare, use_acc=False, is_async=True)
+        mbarrier.arrive(ready.index(STAGES + 1 - WG), count=1)
+    else:
+        product = warpgroup_mma(a, b, spare, use_acc=False, is_async=True)
+    return product
 
 
 @gluon.jit
@@ -526,7 +547,7 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring,
 def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, M, N, K, G, N_TILES, o_desc,
                       xs_desc, ws_desc, CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr,
                       HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr,
-                      SCALES: gl.constexpr, ONE_BOX: gl.constexpr):
+                      SCALES: gl.constexpr, ONE_BOX: gl.constexpr, ORDERED: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). N: the output's
     columns (GEMM1: I, of w's 2I rows per expert). ``o_desc``: with TMA_STORE a descriptor over out ``[M, N]`` of
     ``[64, BLOCK_N]`` boxes, else out again (unread). ``xs_desc``, ``ws_desc``: with SCALES descriptors over x's
@@ -547,9 +568,11 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
     gl.static_assert(not (SWIGLU and TMA_STORE), "TMA_STORE: GEMM2's form")
     gl.static_assert(not SCALES or not (SWIGLU or OVERLAP or PAIRED), "SCALES: GEMM2's form, coop's K loop")
     gl.static_assert(not ONE_BOX or SWIGLU, "ONE_BOX: GEMM1's form")
+    gl.static_assert(not ORDERED or CONSUMERS == 2, "ORDERED: two math warpgroups take turns")
+    TURNS: gl.constexpr = 2 if ORDERED else 0  # ORDERED: the warpgroups' turn barriers, after the slots' ready ones
     x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_desc.layout)
     w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], W_LAYOUT)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES + TURNS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     if TMA_STORE:  # a staging tile a math warpgroup
         o_tiles = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, _WG_ROWS, BN], o_desc.layout)
@@ -564,6 +587,8 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=CONSUMERS)  # each math warpgroup frees the slot once
+    for j in gl.static_range(TURNS):
+        mbarrier.init(ready.index(STAGES + j), count=1)  # warpgroup 1 - j arrives once a ring position
     fence_async_shared()
     if CONSUMERS == 2:
         gl.warp_specialize([
@@ -587,6 +612,8 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
         mbarrier.invalidate(empty.index(j))
+    for j in gl.static_range(TURNS):
+        mbarrier.invalidate(ready.index(STAGES + j))
 
 
 def unavailable_reason() -> str | None:
@@ -704,7 +731,8 @@ def _constexprs(spec: Variant, swiglu: bool, has_rs: bool, tma_store: bool, scal
     """:func:`_gluon_fp8_kernel`'s constexpr arguments, in its order, for variant ``spec`` of the form ``swiglu``:
     TMA_STORE and SCALES as the launch takes them (a variant's, or off where its tensors do not allow them)."""
     return dict(CONSUMERS=spec.consumers, OVERLAP=spec.overlap, STAGES=spec.stages, HAS_RS=has_rs and not swiglu,
-                SWIGLU=swiglu, TMA_STORE=tma_store, PAIRED=spec.paired, SCALES=scales, ONE_BOX=spec.one_box)
+                SWIGLU=swiglu, TMA_STORE=tma_store, PAIRED=spec.paired, SCALES=scales, ONE_BOX=spec.one_box,
+                ORDERED=spec.ordered)
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offsets: torch.Tensor,
