@@ -17,7 +17,7 @@ file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
 
     PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--rows-from N] \
-        [--gluon-fp8-min-m N|off] [--write-configs DIR] [--weights nvfp4,fp8]
+        [--gluon-fp8-min-m N|off] [--gluon-fp8-variants GEMM1,GEMM2] [--write-configs DIR] [--weights nvfp4,fp8]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantiz
 from moe_ep import device_facts, options  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4  # noqa: E402
 from moe_ep.kernels.fp8 import FP8_BLOCK, Fp8Tensor, dequantize_fp8, quantize_fp8  # noqa: E402
-from moe_ep.kernels.grouped_gemm import config_space  # noqa: E402
+from moe_ep.kernels.grouped_gemm import config_space, gluon_fp8  # noqa: E402
 from moe_ep.commands.common import routed_offsets, uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 
@@ -229,6 +229,10 @@ def main():
     ap.add_argument("--gluon-fp8-min-m", default=None, metavar="N|off",
                     help="the MOE_EP_GLUON_FP8_MIN_M option for this run (options.override): from this bucket on the "
                     "FP8 rows take the Gluon GEMMs, timed beside the tl kernel ('x tl')")
+    ap.add_argument("--gluon-fp8-variants", default=None, metavar="GEMM1,GEMM2",
+                    help="the Gluon FP8 variants the dispatcher takes in this run, GEMM1's (of "
+                    "gluon_fp8.SWIGLU_VARIANTS) and GEMM2's (of gluon_fp8.VARIANTS), instead of its defaults: to time "
+                    "a variant through the whole MLP before it is made the default")
     ap.add_argument("--write-configs", default=None, help="folder to write <device>.json tuned configs into")
     ap.add_argument("--weights", default="nvfp4", help="quantized weight formats timed beside bf16, comma-separated: "
                     f"{', '.join(WEIGHT_FORMATS)} (default nvfp4)")
@@ -236,6 +240,14 @@ def main():
     formats = tuple(f.strip() for f in args.weights.split(",") if f.strip())
     if any(f not in WEIGHT_FORMATS for f in formats):
         sys.exit(f"--weights {args.weights!r}; allowed: a comma-separated subset of {', '.join(WEIGHT_FORMATS)}")
+    if args.gluon_fp8_variants is not None:
+        pinned = tuple(v.strip() for v in args.gluon_fp8_variants.split(","))
+        if len(pinned) != 2 or pinned[0] not in gluon_fp8.SWIGLU_VARIANTS or pinned[1] not in gluon_fp8.VARIANTS:
+            sys.exit(f"--gluon-fp8-variants {args.gluon_fp8_variants!r}; allowed: GEMM1,GEMM2 with GEMM1 one of "
+                     f"{', '.join(gluon_fp8.SWIGLU_VARIANTS)} and GEMM2 one of {', '.join(gluon_fp8.VARIANTS)}")
+        # (read by the dispatcher's plan of each call; no plan is made before this)
+        gluon_fp8.DEFAULT_SWIGLU_VARIANT, gluon_fp8.DEFAULT_VARIANT = pinned
+        print(f"Gluon FP8 variants: GEMM1 {pinned[0]}, GEMM2 {pinned[1]}", flush=True)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     dev_name = torch.cuda.get_device_name()

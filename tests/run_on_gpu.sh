@@ -6,7 +6,8 @@
 # STEP: suite (every test but the CPU compile checks; with 39 less the one_triton tests, as CI's second run),
 #       tests:"PYTEST ARGS" (some test files; the args split as a shell would, so that -k "'a and not b'" keeps its
 #       expression whole), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
-#       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it),
+#       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it; with
+#       FP8_VARIANTS=GEMM1,GEMM2 through those Gluon variants instead of the defaults),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
 #       fp8_gemms (benchmarks/bench_gluon_fp8.py: every Gluon FP8 variant of both forms beside the tl FP8 and bf16
 #       kernels, prefill shapes; its two tables printed whole),
@@ -48,7 +49,8 @@ for step in "$@"; do
       summary tests $? "$out/tests$tri.log" ;;
     fp8_bench)
       timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights fp8 --quick --rows-from 128 \
-        --gluon-fp8-min-m 128 --out "$out/fp8.json" > "$out/fp8_bench.log" 2>&1
+        --gluon-fp8-min-m 128 ${FP8_VARIANTS:+--gluon-fp8-variants "$FP8_VARIANTS"} --out "$out/fp8.json" \
+        > "$out/fp8_bench.log" 2>&1
       summary fp8_bench $? "$out/fp8_bench.log"; tail -12 "$out/fp8_bench.log" ;;
     gluon_bench)
       timeout "$(left)" python3 benchmarks/bench_gluon_nvfp4.py --out "$out/gluon.json" > "$out/gluon_bench.log" 2>&1
