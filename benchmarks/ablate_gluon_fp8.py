@@ -8,7 +8,7 @@ switch set written into it as the constexpr ``ABLATE``; each switch set is timed
   nothing to scale, no scale loads either;
 - 2 (with 1) one MMA left in flight across the K steps;
 - 4 store: the output's stores masked off by a condition false at run time (the values are still computed);
-- 8 scale loads: the block factors are the constant 1 (the global loads only: SCALES' shared-memory reads stay);
+- 8 scale loads: the block factors are the constant 1 (their global loads dropped);
 - 16 (GEMM1) epilogue: no SwiGLU or quantization, the sums reduced per row and stored under a false condition;
 - 32 (GEMM2's form) two w boxes: each K step's 128-row w tile loaded as two TMA boxes of 64 rows, as GEMM1's slots
   are filled (its gate rows and its up rows), not one (a switch that adds work: set it alone against 0).
@@ -49,7 +49,7 @@ PATCHES = [  # (what, the kernel's text, the ablation's)
         ws_up = xs
     return xs, ws, ws_up
 """),
-    ("1, 2: promotion", "    elif SCALES:\n", """    elif ABLATE & 1:
+    ("1, 2: promotion", "    elif PAIRED:\n", """    elif ABLATE & 1:
         acc = gl.zeros_like(da)
         if ABLATE & 2:
             acc = _ablate_mma(x_ring, w_ring, ready, i, acc, WG, STAGES)
@@ -68,7 +68,7 @@ PATCHES = [  # (what, the kernel's text, the ablation's)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
                 i += 1
-    elif SCALES:
+    elif PAIRED:
 """),
     ("1, 2: promotion", "@gluon.jit\ndef _promoted_sums(", """@gluon.jit
 def _ablate_mma(x_ring, w_ring, ready, i, acc, WG: gl.constexpr, STAGES: gl.constexpr):
@@ -184,14 +184,14 @@ def time_one(form: str, variant: str, switches: int, path: str) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--form", choices=sorted(SHAPES), default="gemm2")
-    ap.add_argument("--variant", default=None, help="default: coop for gemm1, coop_tma_store_paired otherwise")
+    ap.add_argument("--variant", default=None, help="default: the form's default (gemm1: GEMM1's, else GEMM2's)")
     ap.add_argument("--switches", default="0,8,3,4,15", help="comma-separated switch sets (module doc)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child process's switch set
     ap.add_argument("--out", default=None, help="append each row as a JSON line")
     a = ap.parse_args()
-    variant = a.variant or ("coop" if a.form == "gemm1" else "coop_tma_store_paired")
     import moe_ep  # noqa: F401  (before triton)
     from moe_ep.kernels.grouped_gemm import gluon_fp8
+    variant = a.variant or (gluon_fp8.DEFAULT_SWIGLU_VARIANT if a.form == "gemm1" else gluon_fp8.DEFAULT_VARIANT)
     if gluon_fp8.unavailable_reason() is not None:
         raise SystemExit(f"ablate_gluon_fp8: cannot run here: {gluon_fp8.unavailable_reason()}")
     if a.one is not None:  # the child: one switch set

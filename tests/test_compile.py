@@ -270,7 +270,8 @@ def code(module, variant, swiglu):
 
 with tempfile.TemporaryDirectory() as d:
     ablated = ablate_gluon_fp8.ablated_module(os.path.join(d, "gluon_fp8_ablated.py"), 0)
-    for variant, swiglu in (("coop", True), (gluon_fp8.DEFAULT_VARIANT, False)):
+    defaults = {("coop", True), (gluon_fp8.DEFAULT_SWIGLU_VARIANT, True), (gluon_fp8.DEFAULT_VARIANT, False)}
+    for variant, swiglu in defaults:
         assert code(ablated, variant, swiglu) == code(gluon_fp8, variant, swiglu), (variant, swiglu)
 print("ablation baseline: the production kernel's PTX")
 """
@@ -278,6 +279,6 @@ print("ablation baseline: the production kernel's PTX")
 
 def test_the_ablation_tool_with_nothing_switched_off_builds_the_production_kernel():
     """``benchmarks/ablate_gluon_fp8.py`` patches a copy of the Gluon FP8 kernel: its patches still apply to the kernel
-    as it is, and with no switch set (``ABLATE`` 0) the copy builds for sm_90a to the kernel's own PTX, GEMM1's and
-    GEMM2's default variants, so that an ablation's baseline row is the kernel users run."""
+    as it is, and with no switch set (``ABLATE`` 0) the copy builds for sm_90a to the kernel's own PTX, GEMM1's
+    ``coop`` and default variants and GEMM2's default, so that an ablation's baseline row is the kernel users run."""
     assert "production kernel's PTX" in _run(ABLATION_SCRIPT)

@@ -114,8 +114,8 @@ def test_gluon_fp8_matches_reference_and_tl(variant, c):
     (200, 272, [0, 193, 1, 0, 129, 64, 383]),  # N and K tails; experts a row past or short of a row tile's end
     (8, 16, [3, 0, 5]),  # every expert smaller than one row tile, one K block of 16
     (384, 1040, [192, 0, 0, 130]),  # whole row tiles (three of 64, one and a half of 128), then a short one
-    (200, 1536, [0, 193, 1, 0, 129, 64, 383]),  # K a multiple of 512: SCALES variants take their scales by TMA
-], ids=["tails", "small", "three-blocks", "scale-boxes"])
+    (200, 1536, [0, 193, 1, 0, 129, 64, 383]),  # twelve K blocks
+], ids=["tails", "small", "three-blocks", "twelve-blocks"])
 def test_gluon_fp8_ragged_tails(variant, N, K, counts):
     """Fixed ragged GEMM2 cases, whatever the property test draws: for each variant's row tile (64 or 128 rows) an
     expert one row past a whole number of tiles (129, 193) and one row short of it (383), experts of one tile or less,
@@ -273,15 +273,14 @@ def test_gluon_fp8_swiglu_without_hopper_raises_config_error(monkeypatch):
 
 
 class _KernelStandIn:
-    """Takes ``_gluon_fp8_kernel``'s place: records each launch's keyword arguments and its descriptor arguments."""
+    """Takes ``_gluon_fp8_kernel``'s place: records each launch's keyword arguments and its ``o_desc`` argument."""
 
     def __init__(self):
         self.launches = []
 
     def __getitem__(self, grid):
         def run(*args, **kw):
-            self.launches.append(dict(kw, w_desc=args[1], xs=args[2], ws=args[3], o_desc=args[13], xs_desc=args[14],
-                                      ws_desc=args[15]))
+            self.launches.append(dict(kw, o_desc=args[13]))
         return run
 
 
@@ -313,56 +312,6 @@ def test_tma_store_variant_falls_back_to_the_register_store_where_tma_cannot_wri
         assert kw["o_desc"].base is out and list(kw["o_desc"].block_shape) == [gluon_fp8.WG_ROWS, 128]
 
 
-@pytest.mark.parametrize("K, offset, by_tma", [(512, 0, True), (1024, 0, True), (384, 0, False), (512, 1, False)],
-                         ids=["one-box", "two-boxes", "3-blocks", "base-off-16-bytes"])
-def test_scales_variant_falls_back_to_global_loads_where_tma_cannot_read_the_scales(stand_in, K, offset, by_tma):
-    """A SCALES variant's launch brings the block scales in by TMA (descriptors over x's ``[M, KB]`` scales and w's
-    ``[G * NB, KB]`` of 4-block boxes) only where KB is a multiple of 4 and both bases are 16-byte aligned; elsewhere
-    it launches coop's K loop (SCALES off, the scale tensors themselves as the unread descriptor arguments), which
-    computes the same values. Checked on CPU tensors with the kernel stood in for."""
-    G, N, M = 2, 256, 4
-    x, w = _x(M, K), _w(G, N, K)
-    kb = K // 128
-    xs = torch.empty(M * kb + offset)[offset:].view(M, kb).copy_(x.scales)
-    assert gluon_fp8.scales_loadable(xs, w.scales) == by_tma
-    out = torch.empty(M, N, dtype=torch.bfloat16)
-    offsets = torch.tensor([0, 2, M], dtype=torch.int32)
-    gluon_fp8.launch(x.data, xs, w.data, w.scales, offsets, out, xs, None, "coop_tma_store_scales", swiglu=False,
-                     num_programs=1)
-    (kw, ) = stand_in.launches
-    assert kw["SCALES"] == by_tma and not kw["PAIRED"] and kw["TMA_STORE"]
-    assert (kw["xs_desc"] is kw["xs"] and kw["ws_desc"] is kw["ws"]) != by_tma
-    if by_tma:
-        assert kw["xs_desc"].base is kw["xs"] and list(kw["xs_desc"].block_shape) == [128, gluon_fp8.SCALE_BOX]
-        assert kw["ws_desc"].base.shape == (G * N // 128, kb) and list(kw["ws_desc"].block_shape) == \
-            [1, gluon_fp8.SCALE_BOX]
-
-
-@pytest.mark.parametrize("variant, one_box", [("coop_one_box", True), ("coop", False)])
-def test_one_box_variant_loads_a_slot_s_gate_and_up_rows_by_one_3d_box(stand_in, variant, one_box):
-    """GEMM1's ONE_BOX variant launches with a 3-D descriptor over w13 seen as ``[2G, I, K]`` (expert g's gate rows at
-    2g, its up rows at 2g + 1) of ``[2, 64, 128]`` boxes, the rows ``coop``'s two 64-row boxes of ``[G * 2I, K]``
-    bring; ``coop`` keeps the 2-D one. Checked on CPU tensors with the kernel stood in for."""
-    G, I, K, M = 3, 192, 256, 4
-    x, w13 = _x(M, K), _w(G, 2 * I, K, gate_up=True)
-    codes = w13.data.view(torch.uint8)
-    codes.copy_(torch.randint(0, 120, codes.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
-    out = torch.empty(M, I, dtype=torch.float8_e4m3fn)
-    out_scales = torch.empty(M, 2)
-    gluon_fp8.launch(x.data, x.scales, w13.data, w13.scales, torch.tensor([0, 2, 2, M], dtype=torch.int32), out,
-                     out_scales, None, variant, swiglu=True, num_programs=1)
-    (kw, ) = stand_in.launches
-    d = kw["w_desc"]
-    assert kw["ONE_BOX"] == one_box and kw["SWIGLU"]
-    if one_box:
-        assert list(d.shape) == [2 * G, I, K] and list(d.block_shape) == [2, 64, 128]
-        rows = d.base.view(torch.uint8)
-        g, n = 1, 64  # expert 1's gate row 64 and up row 64: the first row of each half of a box at [2, 64, 0]
-        assert torch.equal(rows[2 * g, n], codes[g, n]) and torch.equal(rows[2 * g + 1, n], codes[g, I + n])
-    else:
-        assert list(d.shape) == [G * 2 * I, K] and list(d.block_shape) == [64, 128]
-
-
 def test_gemm2_default_is_the_paired_tma_store_only_under_a_triton_it_was_verified_under():
     """GEMM2's default variant is ``coop`` with the TMA store and the paired K steps where that variant passed the GPU
     tests (``DEFAULT_CHECKED_TRITONS``), ``coop`` itself elsewhere."""
@@ -371,6 +320,15 @@ def test_gemm2_default_is_the_paired_tma_store_only_under_a_triton_it_was_verifi
     checked = triton_minor() in gluon_fp8.DEFAULT_CHECKED_TRITONS
     assert spec.tma_store == spec.paired == checked
     assert spec._replace(tma_store=False, paired=False) == gluon_fp8.VARIANTS["coop"]
+
+
+def test_gemm1_default_takes_turns_only_under_a_triton_it_was_verified_under():
+    """GEMM1's default variant is ``coop`` with the warpgroups' MMAs issued in turn where that variant passed the GPU
+    tests (``SWIGLU_DEFAULT_CHECKED_TRITONS``), ``coop`` itself elsewhere."""
+    from moe_ep.triton_runtime import triton_minor
+    spec = gluon_fp8.SWIGLU_VARIANTS[gluon_fp8.DEFAULT_SWIGLU_VARIANT]
+    assert spec.ordered == (triton_minor() in gluon_fp8.SWIGLU_DEFAULT_CHECKED_TRITONS)
+    assert spec._replace(ordered=False) == gluon_fp8.SWIGLU_VARIANTS["coop"]
 
 
 # --- the grouped-GEMM dispatcher's "gluon-fp8" path ------------------------------------------------------------

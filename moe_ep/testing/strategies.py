@@ -128,13 +128,12 @@ def gluon_nvfp4_cases(draw, b: Bounds = TINY):
 @st.composite
 def gluon_fp8_cases(draw, b: Bounds = TINY, swiglu: bool = False):
     """A problem of the Gluon FP8 block-scaled grouped GEMM, prefill-class: 1-8 experts, K a multiple of 16 (not
-    always of 128: a short last scale block; one block, or several; multiples of 512, which the SCALES variants read
-    their scales of by TMA, in boxes of 4 blocks: one box or three), N not always a multiple of the tile (nor of the
-    128-row scale blocks), up to 300 rows per expert (several row tiles), empty experts, rows of no expert before the
-    first offset and after the last, values of several magnitudes and exact zeros, and the kernel variant. GEMM2's
-    form (``gluon_fp8.VARIANTS``) with or without a routing weight per row; with ``swiglu`` GEMM1's
-    (``gluon_fp8.SWIGLU_VARIANTS``; N is I, of w13's 2I rows), which takes none. A GPU-only kernel: the shapes are
-    its own, ``b`` is not read."""
+    always of 128: a short last scale block; one block, or several, up to twelve), N not always a multiple of the
+    tile (nor of the 128-row scale blocks), up to 300 rows per expert (several row tiles), empty experts, rows of no
+    expert before the first offset and after the last, values of several magnitudes and exact zeros, and the kernel
+    variant. GEMM2's form (``gluon_fp8.VARIANTS``) with or without a routing weight per row; with ``swiglu``
+    GEMM1's (``gluon_fp8.SWIGLU_VARIANTS``; N is I, of w13's 2I rows), which takes none. A GPU-only kernel: the shapes
+    are its own, ``b`` is not read."""
     from ..kernels.grouped_gemm.gluon_fp8 import SWIGLU_VARIANTS, VARIANTS
     G = draw(st.integers(1, 8))
     K = draw(st.sampled_from([16, 128, 272, 512, 1040, 1536]))

@@ -36,13 +36,9 @@ store, half of each 32-byte sector used: ncu on an H100 counts 48% of the kernel
 (TMA_STORE) through a staging tile in shared memory and one asynchronous TMA store a warpgroup tile, whose drain
 overlaps the warpgroup's next tile. PAIRED (``coop_tma_store_paired``, GEMM2's default) takes the K steps in pairs so
 that each step's block scales are loaded a whole step before the product that uses them (ncu found the math warps
-waiting on those loads: 8-10% of GEMM2's time by ablation), with ``coop``'s operations in ``coop``'s order. SCALES
-(``coop_tma_store_scales``, built for sm_90a, not yet run on a GPU) has the producer bring each K step's block scales
-into its ring slot by TMA with its tiles (x's for the tile's rows and w's, 4-block boxes: :func:`scales_loadable`),
-so that the math warpgroups read them from shared memory and the ring's depth covers their latency (the loads still
-cost 11% of the paired variant's time by ablation). ORDERED (``coop_tma_store_paired_ordered``, and GEMM1's
-``coop_ordered``; built for sm_90a, not yet run on a GPU) has the two math warpgroups issue each slot's MMAs in turn,
-so that one warpgroup's promotion runs beside the other's MMA rather than both promoting at once (:func:`_mma_step`).
+waiting on those loads: 8-10% of GEMM2's time by ablation), with ``coop``'s operations in ``coop``'s order. ORDERED
+(``coop_ordered``, GEMM1's default) has the two math warpgroups issue each slot's MMAs in turn, so that one
+warpgroup's promotion runs beside the other's MMA rather than both promoting at once (:func:`_mma_step`).
 
 GEMM1's form (``SWIGLU``, :func:`gluon_fp8_swiglu_grouped_gemm`): w13 ``[G, 2I, K]``, gate rows then up rows, with
 gate's scale row blocks then up's (``Fp8Tensor.gate_up``), and N is I. A tile is 128 output channels, one FP8 scale
@@ -52,10 +48,7 @@ block of the output, so that its epilogue sees every value a scale is the amax o
 gate rows over their 64 up rows (two TMA boxes into the slot's halves), one wgmma of N 128 gives both halves' product,
 and the promotion takes gate's scale for the first 64 columns and up's for the rest. Between the passes a warpgroup
 keeps the first pass's 64 x 64 SwiGLU values; x's tile is loaded again for the second (from L2). The epilogue
-(``gluon_fp8_swiglu``) quantizes the block from both passes. ONE_BOX (``coop_one_box``, built for sm_90a, not yet run
-on a GPU) brings a slot's gate and up rows in one 3-D TMA box over w13 seen as ``[2G, I, K]``, not two 64-row boxes: the
-same bytes into the same shared memory, a TMA load fewer a K step (GEMM1 runs at 52% of the FP8 peak with its
-promotion, scales and store switched off, where GEMM2's form reaches 64%).
+(``gluon_fp8_swiglu``) quantizes the block from both passes.
 """
 
 from __future__ import annotations
@@ -80,18 +73,6 @@ BLOCK_K = FP8_BLOCK  # one scale block per ring slot
 WG_ROWS = 64  # rows per math warpgroup: the wgmma M of one warpgroup
 _WG_ROWS = gl.constexpr(WG_ROWS)
 PAIRS = gl.constexpr(2)  # OVERLAP: pairs of K blocks per group (the K loop's unrolled body)
-SCALE_BOX = 4  # SCALES: a TMA box of scales is 4 K blocks wide (16 bytes: TMA's least box row)
-_SCALE_BOX = gl.constexpr(SCALE_BOX)
-# SCALES: a math warpgroup's [64, SCALE_BOX] box of x's scales in registers, each thread holding the four blocks of its
-# accumulator rows (the wgmma layout's: warp w rows 16w.., lane l rows l // 4 and l // 4 + 8), so that picking a
-# block is a select in the thread and leaves the values in the accumulator's row layout
-_BOX_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_ROWS, SCALE_BOX]))
-# and w's [1, SCALE_BOX] box, every thread holding all of it (its columns as _BOX_LAYOUT's, in registers)
-_W_BOX_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 0]], lane_bases=[[0, 0]] * 5, warp_bases=[[0, 0]] * 2, block_bases=[],
-    shape=[1, SCALE_BOX]))
 K_MULTIPLE = 16  # TMA: the e4m3 rows (K bytes) must be 16-byte multiples
 MAX_EXPERTS = 1024  # the tile schedule's per-expert vector (a power of two at least G) stays small
 
@@ -105,8 +86,6 @@ class Variant(NamedTuple):
     stages: int  # ring slots
     tma_store: bool = False  # TMA_STORE (GEMM2's form): a warpgroup's whole 64-row tiles stored through shared memory
     paired: bool = False  # PAIRED (no OVERLAP): K steps in pairs, each step's scales multiplied a step after loading
-    scales: bool = False  # SCALES (GEMM2's form, coop's K loop): each K step's block scales in its ring slot, by TMA
-    one_box: bool = False  # ONE_BOX (GEMM1's form): a slot's gate and up rows in one 3-D TMA box, not two 2-D ones
     ordered: bool = False  # ORDERED (two consumers): the warpgroups issue each ring slot's MMAs in turn, 0 then 1
 
     @property
@@ -124,12 +103,6 @@ VARIANTS = {
     "coop_tma_store": Variant(2, False, 128, 4, True),
     # coop_tma_store with the scales' loads a step away from their use (PAIRED)
     "coop_tma_store_paired": Variant(2, False, 128, 4, True, True),
-    # coop_tma_store with each K step's block scales brought into its ring slot by the producer (SCALES); built, not
-    # yet run on a GPU
-    "coop_tma_store_scales": Variant(2, False, 128, 4, True, False, True),
-    # coop_tma_store_paired with the warpgroups' MMAs issued in turn (ORDERED); built, not yet run on a GPU
-    "coop_tma_store_paired_ordered": Variant(2, False, 128, 4, True, True, ordered=True),
-    "coop_tma_store_scales_ordered": Variant(2, False, 128, 4, True, False, True, ordered=True),  # (both; not yet run)
 }
 """Variant name -> :class:`Variant`. A ring slot takes (64 * CONSUMERS + BLOCK_N) * 128 bytes (128-144 KB of shared
 memory at these depths; TMA_STORE adds 16 KB a math warpgroup). With OVERLAP a warpgroup holds two products besides
@@ -147,18 +120,18 @@ SWIGLU_VARIANTS = {
     # OVERLAP never: two products of 128 columns would spill
     "coop": Variant(2, False, 128, 4),  # two warpgroups on 128 rows x 128 channels, each pass's slot 64 gate + 64 up
     "single": Variant(1, False, 128, 8),  # one warpgroup on 64 rows x 128 channels, a deeper ring
-    # coop with a slot's 64 gate and 64 up rows brought in by one TMA box over w13 seen as [2G, I, K] (ONE_BOX); built,
-    # not yet run on a GPU
-    "coop_one_box": Variant(2, False, 128, 4, one_box=True),
-    # coop with the warpgroups' MMAs issued in turn (ORDERED); built, not yet run on a GPU
+    # coop with the warpgroups' MMAs issued in turn (ORDERED): while one promotes, the other's MMA runs
     "coop_ordered": Variant(2, False, 128, 4, ordered=True),
-    "coop_one_box_ordered": Variant(2, False, 128, 4, one_box=True, ordered=True),  # (both; not yet run)
 }
 """GEMM1's variants (:func:`gluon_fp8_swiglu_grouped_gemm`), as :data:`VARIANTS`: a tile is 128 output channels, one
 scale block, in two passes of 64 (a warpgroup holds one pass's 64 x 128 sums and product, and the first pass's
 64 x 64 SwiGLU values through the second); a slot takes (64 * CONSUMERS + 128) * 128 bytes (128 KB for coop,
 192 KB for single)."""
-DEFAULT_SWIGLU_VARIANT = "coop"
+SWIGLU_DEFAULT_CHECKED_TRITONS = ("3.6", )
+"""Triton releases under which GEMM1's default variant, ``coop_ordered``, passed the GPU property tests (its outputs
+``coop``'s: the same operations, the MMAs issued in another order; 3% less time than ``coop`` on an H100:
+docs/PERF.md); GEMM1's default is ``coop`` under the others."""
+DEFAULT_SWIGLU_VARIANT = "coop_ordered" if triton_minor() in SWIGLU_DEFAULT_CHECKED_TRITONS else "coop"
 
 
 def variant_spec(variant: str, swiglu: bool) -> Variant:
@@ -181,30 +154,9 @@ def tma_storable(out: torch.Tensor) -> bool:
     return out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
 
 
-def scales_loadable(xs: torch.Tensor, ws: torch.Tensor) -> bool:
-    """Whether a SCALES variant's producer can bring the block scales in by TMA: x's ``[M, KB]`` and w's
-    ``[G, NB, KB]`` (fp32, contiguous) with KB a multiple of :data:`SCALE_BOX` (16-byte rows: K a multiple of 512)
-    and 16-byte aligned bases. Elsewhere :func:`launch` runs the variant with the scales loaded from global memory by
-    the math warpgroups (``coop``'s K loop), which computes the same values."""
-    return (xs.shape[-1] % SCALE_BOX == 0 and xs.is_contiguous() and ws.is_contiguous()
-            and xs.data_ptr() % 16 == 0 and ws.data_ptr() % 16 == 0)
-
-
-def scale_box_layout():
-    """The shared layout of a ring slot's scale boxes (fp32 rows of :data:`SCALE_BOX`, 16 bytes: no swizzle)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-
-
 def out_tile_layout(block_n: int):
     """The NVMMA shared layout of a math warpgroup's bf16 staging tile ``[64, block_n]`` (TMA_STORE)."""
     return gl.NVMMASharedLayout.get_default_for([WG_ROWS, block_n], gl.bfloat16)
-
-
-def gate_up_box_layout():
-    """ONE_BOX: the shared layout of a GEMM1 slot's w tile as its TMA box writes it, ``[2, 64, 128]`` (gate's rows,
-    up's): the 128-byte swizzle of the slot's ``[128, 128]`` tile, which the MMA reads (the swizzle follows the byte
-    address, and 64 rows are whole swizzle periods)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
 
 
 def shared_layouts(block_m: int, block_n: int) -> dict:
@@ -238,20 +190,16 @@ def _k_steps(K, BK: gl.constexpr, OVERLAP: gl.constexpr):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty, M, N, K, G,
-              N_TILES, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr, SCALES: gl.constexpr,
-              ONE_BOX: gl.constexpr):
+def _producer(x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr):
     """1 warp: for every tile of this program (and with SWIGLU each of its two passes), fill ring slot i % STAGES with
     K step i's x and w tiles once every consumer freed it (:func:`_k_steps` of them a pass). SWIGLU: w is
-    ``[G * 2N, K]`` (gate rows, then up rows), and a slot's w tile is the pass's gate rows over its up rows. SCALES:
-    also the 4-block-wide boxes of x's scales (the tile's rows) and w's (its scale row) that hold step i's. ONE_BOX:
-    w13 is seen as ``[2G, N, K]`` (expert g's gate rows at 2g, its up rows at 2g + 1), a slot's w tile one box."""
+    ``[G * 2N, K]`` (gate rows, then up rows), and a slot's w tile is the pass's gate rows over its up rows."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_ring.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     HALF: gl.constexpr = BN // 2
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + BN * BK + (
-        xs_desc.block_type.nbytes + ws_desc.block_type.nbytes if SCALES else 0)  # (w: e4m3, a byte an element)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + BN * BK  # e4m3: a byte an element
     PASSES: gl.constexpr = 2 if SWIGLU else 1
     pid = gl.program_id(0)
     P = gl.num_programs(0)
@@ -275,19 +223,12 @@ def _producer(x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_rin
                     bar = ready.index(slot)
                     mbarrier.expect(bar, nbytes)
                     _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
-                    if ONE_BOX:
-                        _tma_load(w_desc, [2 * g, n0 + p * HALF, ks * BK], bar,
-                                  w_ring.index(slot).reshape([2, HALF, BK]))
-                    elif SWIGLU:
+                    if SWIGLU:
                         gate = g * 2 * N + n0 + p * HALF  # row of the [G * 2N, K] weight view
                         _tma_load(w_desc, [gate, ks * BK], bar, w_ring.index(slot).slice(0, HALF, dim=0))
                         _tma_load(w_desc, [gate + N, ks * BK], bar, w_ring.index(slot).slice(HALF, HALF, dim=0))
                     else:
                         _tma_load(w_desc, [g * N + n0, ks * BK], bar, w_ring.index(slot))
-                    if SCALES:
-                        kb0 = ks - ks % _SCALE_BOX
-                        _tma_load(xs_desc, [row0, kb0], bar, xs_ring.index(slot))
-                        _tma_load(ws_desc, [g * gl.cdiv(N, 128) + n0 // 128, kb0], bar, ws_ring.index(slot))
                     i += 1
         first = last
 
@@ -373,23 +314,9 @@ def _mma_step(x_ring, w_ring, ready, i, spare, WG: gl.constexpr, STAGES: gl.cons
 
 
 @gluon.jit
-def _slot_factors(xs_ring, ws_ring, i, ks, rows, WG: gl.constexpr, STAGES: gl.constexpr):
-    """SCALES: K step ks's factors per accumulator row (x's scale of the row times w's), read from ring slot
-    i % STAGES's scale boxes (the ``SCALE_BOX`` blocks from ``ks - ks % SCALE_BOX``), in the layout of ``rows``."""
-    slot = i % STAGES
-    box = xs_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS, dim=0).load(_BOX_LAYOUT)
-    w = gl.convert_layout(gl.sum(ws_ring.index(slot).load(_W_BOX_LAYOUT), axis=0), gl.SliceLayout(0, _BOX_LAYOUT),
-                          assert_trivial=True)
-    col = gl.arange(0, _SCALE_BOX, layout=gl.SliceLayout(0, _BOX_LAYOUT))
-    # x's scale times w's, as coop's loads multiply them; the block's column picked by a sum of it and zeros
-    picked = gl.sum(gl.where((col == ks % _SCALE_BOX)[None, :], box * w[None, :], 0.0), axis=1)
-    return gl.convert_layout(picked, rows.type.layout, assert_trivial=True)
-
-
-@gluon.jit
-def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty, rows, rmask, srow, up_srow, KB,
-                   KB_STEPS, i, da, db, up_cols, WG: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                   SWIGLU: gl.constexpr, PAIRED: gl.constexpr, SCALES: gl.constexpr):
+def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow, up_srow, KB, KB_STEPS, i, da, db,
+                   up_cols, WG: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, SWIGLU: gl.constexpr,
+                   PAIRED: gl.constexpr):
     """One pass over K of this warpgroup's rows of a tile, every block's product promoted: ``(acc, da, db, i)``, the
     fp32 sums, the product buffers (carried on, so that every MMA writes into registers of a promoted product) and
     the ring position after the pass."""
@@ -417,16 +344,6 @@ def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empt
                 mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
                 acc = acc + _scaled(db, sb, sb_up, up_cols, SWIGLU)
                 i += 2
-    elif SCALES:
-        # the step's factors read from its slot while its MMA runs, before the slot is freed
-        acc = gl.full_like(da, -0.0)  # -0.0 + v is v for every v: the first product enters as coop's does
-        for ks in range(KB_STEPS):
-            pa = _mma_step(x_ring, w_ring, ready, i, da, WG, STAGES)
-            s = _slot_factors(xs_ring, ws_ring, i, ks, rows, WG, STAGES)
-            da = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
-            mbarrier.arrive(empty.index(i % STAGES), count=1)
-            acc = acc + da * s[:, None]
-            i += 1
     elif PAIRED:
         # the K steps in pairs, a step's scales loaded in the step before (while its MMA runs) and multiplied in the
         # step that uses them, two sets of registers taking turns: where one step loads and multiplies (below), the
@@ -469,10 +386,9 @@ def _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empt
 
 
 @gluon.jit
-def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty, M, N,
-              K, G, N_TILES, o_desc, o_tile, WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-              OVERLAP: gl.constexpr, HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr,
-              PAIRED: gl.constexpr, SCALES: gl.constexpr):
+def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES,
+              o_desc, o_tile, WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr):
     """Math warpgroup WG: rows WG * 64 .. WG * 64 + 63 of each of this program's tiles, promoted per K block, then
     (times the row's routing weight with HAS_RS) stored as bf16 where the row is its expert's and the column < N; with
     SWIGLU, two passes of 64 channels each, their SwiGLU values stored as FP8 (``gluon_fp8_swiglu``)."""
@@ -509,20 +425,20 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring,
             if SWIGLU:
                 # gate's row blocks, then up's (Fp8Tensor.gate_up); the tile's 128 channels are one block of each
                 srow = g.to(gl.int64) * (2 * n_blocks) + n0 // 128
-                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty, rows,
-                                                rmask, srow, srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG,
-                                                STAGES, OVERLAP, SWIGLU, PAIRED, False)
+                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES,
+                                                OVERLAP, SWIGLU, PAIRED)
                 h0 = swiglu_pass(acc, n0, N, half_layout)
-                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty, rows,
-                                                rmask, srow, srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG,
-                                                STAGES, OVERLAP, SWIGLU, PAIRED, False)
+                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                srow + n_blocks, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES,
+                                                OVERLAP, SWIGLU, PAIRED)
                 h1 = swiglu_pass(acc, n0 + BN // 2, N, half_layout)
                 store_fp8_block(h0, h1, out_ptr, os_ptr, row0, end, n0, N)
             else:
                 srow = g.to(gl.int64) * n_blocks + n0 // 128  # the tile's weight rows are one scale block
-                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty, rows,
-                                                rmask, srow, srow, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES,
-                                                OVERLAP, SWIGLU, PAIRED, SCALES)
+                acc, da, db, i = _promoted_sums(xs_ptr, ws_ptr, x_ring, w_ring, ready, empty, rows, rmask, srow,
+                                                srow, KB, KB_STEPS, i, da, db, up_cols, WG, STAGES, OVERLAP, SWIGLU,
+                                                PAIRED)
                 if HAS_RS:
                     acc = acc * gl.load(rs_ptr + rows, mask=rmask, other=0.0)[:, None]
                 cols = n0 + c_off
@@ -545,45 +461,30 @@ def _consumer(xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring,
 
 @gluon.jit
 def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, M, N, K, G, N_TILES, o_desc,
-                      xs_desc, ws_desc, CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr,
-                      HAS_RS: gl.constexpr, SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr,
-                      SCALES: gl.constexpr, ONE_BOX: gl.constexpr, ORDERED: gl.constexpr):
+                      CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr,
+                      SWIGLU: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr, ORDERED: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). N: the output's
     columns (GEMM1: I, of w's 2I rows per expert). ``o_desc``: with TMA_STORE a descriptor over out ``[M, N]`` of
-    ``[64, BLOCK_N]`` boxes, else out again (unread). ``xs_desc``, ``ws_desc``: with SCALES descriptors over x's
-    scales ``[M, KB]`` of ``[BLOCK_M, SCALE_BOX]`` boxes and w's ``[G * NB, KB]`` of ``[1, SCALE_BOX]``, else the
-    scale pointers again (unread). ONE_BOX: ``w_desc`` is 3-D, over w13 seen as ``[2G, N, K]`` of ``[2, 64, 128]``
-    boxes."""
+    ``[64, BLOCK_N]`` boxes, else out again (unread)."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    # GEMM1: a slot's w tile is the gate and up boxes stacked (ONE_BOX: one box of both)
-    BN: gl.constexpr = 2 * w_desc.block_type.shape[1] if ONE_BOX else w_desc.block_type.shape[0] * (2 if SWIGLU else 1)
-    # (ONE_BOX: the 2-D view of the box's bytes that the MMA reads)
-    W_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8) if ONE_BOX \
-        else w_desc.layout
+    # GEMM1: a slot's w tile is the gate and up boxes stacked
+    BN: gl.constexpr = w_desc.block_type.shape[0] * (2 if SWIGLU else 1)
     gl.static_assert(BM == _WG_ROWS * CONSUMERS, "a math warpgroup per 64 tile rows")
     gl.static_assert(128 % BN == 0, "the tile's weight rows lie in one 128-row scale block")
     gl.static_assert(not SWIGLU or (BN == 128 and not OVERLAP and not HAS_RS),
                      "GEMM1: one 128-channel scale block a tile, one product in flight, no routing weight")
     gl.static_assert(not (SWIGLU and TMA_STORE), "TMA_STORE: GEMM2's form")
-    gl.static_assert(not SCALES or not (SWIGLU or OVERLAP or PAIRED), "SCALES: GEMM2's form, coop's K loop")
-    gl.static_assert(not ONE_BOX or SWIGLU, "ONE_BOX: GEMM1's form")
     gl.static_assert(not ORDERED or CONSUMERS == 2, "ORDERED: two math warpgroups take turns")
     TURNS: gl.constexpr = 2 if ORDERED else 0  # ORDERED: the warpgroups' turn barriers, after the slots' ready ones
     x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_desc.layout)
-    w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], W_LAYOUT)
+    w_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES + TURNS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     if TMA_STORE:  # a staging tile a math warpgroup
         o_tiles = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, _WG_ROWS, BN], o_desc.layout)
     else:  # unread: the partitions take an argument either way
         o_tiles = ready
-    if SCALES:  # each slot's scale boxes
-        xs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BM, _SCALE_BOX], xs_desc.layout)
-        ws_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _SCALE_BOX], ws_desc.layout)
-    else:
-        xs_ring = ready
-        ws_ring = ready
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=CONSUMERS)  # each math warpgroup frees the slot once
@@ -592,22 +493,22 @@ def _gluon_fp8_kernel(x_desc, w_desc, xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, o
     fence_async_shared()
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready,
-                         empty, M, N, K, G, N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS,
-                         SWIGLU, TMA_STORE, PAIRED, SCALES)),
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready,
-                         empty, M, N, K, G, N_TILES, o_desc, o_tiles.index(1), 1, CONSUMERS, STAGES, OVERLAP, HAS_RS,
-                         SWIGLU, TMA_STORE, PAIRED, SCALES)),
-            (_producer, (x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty,
-                         M, N, K, G, N_TILES, STAGES, OVERLAP, SWIGLU, SCALES, ONE_BOX)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
+                         TMA_STORE, PAIRED)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, o_desc, o_tiles.index(1), 1, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
+                         TMA_STORE, PAIRED)),
+            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
+                         OVERLAP, SWIGLU)),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready,
-                         empty, M, N, K, G, N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS,
-                         SWIGLU, TMA_STORE, PAIRED, SCALES)),
-            (_producer, (x_desc, w_desc, xs_desc, ws_desc, offs_ptr, x_ring, w_ring, xs_ring, ws_ring, ready, empty,
-                         M, N, K, G, N_TILES, STAGES, OVERLAP, SWIGLU, SCALES, ONE_BOX)),
+            (_consumer, (xs_ptr, ws_ptr, rs_ptr, out_ptr, os_ptr, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G,
+                         N_TILES, o_desc, o_tiles.index(0), 0, CONSUMERS, STAGES, OVERLAP, HAS_RS, SWIGLU,
+                         TMA_STORE, PAIRED)),
+            (_producer, (x_desc, w_desc, offs_ptr, x_ring, w_ring, ready, empty, M, N, K, G, N_TILES, STAGES,
+                         OVERLAP, SWIGLU)),
         ], [1], [24])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
@@ -727,12 +628,11 @@ def check_gluon_fp8_swiglu(x: Fp8Tensor, w13: Fp8Tensor, offsets: torch.Tensor, 
     _check_devices(x, w13, offsets)
 
 
-def _constexprs(spec: Variant, swiglu: bool, has_rs: bool, tma_store: bool, scales: bool) -> dict:
+def _constexprs(spec: Variant, swiglu: bool, has_rs: bool, tma_store: bool) -> dict:
     """:func:`_gluon_fp8_kernel`'s constexpr arguments, in its order, for variant ``spec`` of the form ``swiglu``:
-    TMA_STORE and SCALES as the launch takes them (a variant's, or off where its tensors do not allow them)."""
+    TMA_STORE as the launch takes it (the variant's, or off where ``out`` does not allow it)."""
     return dict(CONSUMERS=spec.consumers, OVERLAP=spec.overlap, STAGES=spec.stages, HAS_RS=has_rs and not swiglu,
-                SWIGLU=swiglu, TMA_STORE=tma_store, PAIRED=spec.paired, SCALES=scales, ONE_BOX=spec.one_box,
-                ORDERED=spec.ordered)
+                SWIGLU=swiglu, TMA_STORE=tma_store, PAIRED=spec.paired, ORDERED=spec.ordered)
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offsets: torch.Tensor,
@@ -744,8 +644,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
     ``out_scales``), ``variant`` of :data:`VARIANTS` (with ``swiglu``, :data:`SWIGLU_VARIANTS`; a TMA_STORE variant
     whose ``out`` is not :func:`tma_storable` stores from registers), the persistent grid ``num_programs``.
     Descriptors over x ``[M, K]`` and w ``[G * R, K]`` (GEMM1's w box is half a slot: the gate box and the up box fill
-    one; with ONE_BOX over w ``[2G, R / 2, K]``, a box of both), with TMA_STORE over out ``[M, N]``, and with SCALES
-    over the scales (:func:`scales_loadable`)."""
+    one), with TMA_STORE over out ``[M, N]``."""
     spec = variant_spec(variant, swiglu)
     block_m, block_n = spec.block_m, spec.block_n
     G, R, K = wq.shape
@@ -754,26 +653,17 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tenso
         xq = xq.clone()
     lay = shared_layouts(block_m, block_n)
     x_desc = TensorDescriptor.from_tensor(xq, [block_m, BLOCK_K], lay["x"])
-    if spec.one_box:  # expert g's gate rows at 2g, its up rows at 2g + 1: a slot's gate and up boxes are one
-        w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(2 * G, R // 2, K), [2, block_n // 2, BLOCK_K],
-                                              gate_up_box_layout())
-    else:
-        w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,
-                                                                              BLOCK_K], lay["w"])
+    w_desc = TensorDescriptor.from_tensor(wq.contiguous().view(G * R, K), [block_n // 2 if swiglu else block_n,
+                                                                          BLOCK_K], lay["w"])
     xs, ws = xs.contiguous(), ws.contiguous()
     rs = xs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
     n_out = R // 2 if swiglu else R
     n_tiles = -(-n_out // block_n)
     tma_store = spec.tma_store and tma_storable(out)
     o_desc = TensorDescriptor.from_tensor(out, [WG_ROWS, block_n], out_tile_layout(block_n)) if tma_store else out
-    scales = spec.scales and scales_loadable(xs, ws)
-    xs_desc, ws_desc = xs, ws  # unread without SCALES
-    if scales:
-        xs_desc = TensorDescriptor.from_tensor(xs, [block_m, SCALE_BOX], scale_box_layout())
-        ws_desc = TensorDescriptor.from_tensor(ws.view(-1, ws.shape[-1]), [1, SCALE_BOX], scale_box_layout())
     _gluon_fp8_kernel[(num_programs, )](x_desc, w_desc, xs, ws, rs, out, out_scales, offsets, xq.shape[0], n_out, K, G,
-                                        n_tiles, o_desc, xs_desc, ws_desc, num_warps=4,
-                                        **_constexprs(spec, swiglu, row_scale is not None, tma_store, scales))
+                                        n_tiles, o_desc, num_warps=4,
+                                        **_constexprs(spec, swiglu, row_scale is not None, tma_store))
 
 
 def _programs(x: Fp8Tensor, num_programs: int | None) -> int:
@@ -849,19 +739,15 @@ def compile_signature(variant: str, has_rs: bool = True, swiglu: bool = False) -
     checks)."""
     spec = variant_spec(variant, swiglu)
     block_m, block_n = spec.block_m, spec.block_n
-    consts = _constexprs(spec, swiglu, has_rs, spec.tma_store, spec.scales)
+    consts = _constexprs(spec, swiglu, has_rs, spec.tma_store)
     lay = shared_layouts(block_m, block_n)
-    box = scale_box_layout()
     out_type = "*fp8e4nv" if swiglu else "*bf16"
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_m}, {BLOCK_K}],{lay['x']!r}>",
-           "w_desc": (f"tensordesc<fp8e4nv[2, {block_n // 2}, {BLOCK_K}],{gate_up_box_layout()!r}>" if spec.one_box
-                      else f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>"),
+           "w_desc": f"tensordesc<fp8e4nv[{block_n // 2 if swiglu else block_n}, {BLOCK_K}],{lay['w']!r}>",
            "xs_ptr": "*fp32", "ws_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": out_type,
            "os_ptr": "*fp32", "offs_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
            "o_desc": (f"tensordesc<bf16[{WG_ROWS}, {block_n}],{out_tile_layout(block_n)!r}>" if spec.tma_store
                       else out_type),
-           "xs_desc": f"tensordesc<fp32[{block_m}, {SCALE_BOX}],{box!r}>" if spec.scales else "*fp32",
-           "ws_desc": f"tensordesc<fp32[1, {SCALE_BOX}],{box!r}>" if spec.scales else "*fp32",
            **{name: "constexpr" for name in consts}}
     return sig, consts, dict(num_warps=4)
 
