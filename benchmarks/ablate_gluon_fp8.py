@@ -32,7 +32,6 @@ import tempfile
 
 KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "moe_ep", "kernels", "grouped_gemm",
                       "gluon_fp8.py")
-EXPERTS = 32
 SHAPES = {"gemm1": (2048, 7168, 1024), "gemm2": (7168, 2048, 1024), "plain": (4096, 7168, 1024)}
 """Form -> (N (GEMM1: I), K, rows per expert): DeepSeek-V3 EP8's GEMM1 and GEMM2, and a GEMM2-form GEMM of GEMM1's
 FLOPs."""
@@ -147,28 +146,24 @@ def ablated_module(path: str, switches: int):
 
 
 def time_one(form: str, variant: str, switches: int, path: str) -> dict:
-    """Time ``variant`` of ``form`` with ``switches`` off."""
+    """Time ``variant`` of ``form`` with ``switches`` off, on ``bench_gluon_fp8.py``'s operands of the shape."""
     import torch
     import moe_ep  # noqa: F401  (before triton)
-    from moe_ep.commands.common import uniform_offsets
+    from bench_gluon_fp8 import EXPERTS, operands  # (this folder: the script's own, first on sys.path)
     from moe_ep.commands.timing import time_graph
-    from moe_ep.kernels.fp8 import fp8_scales_shape, quantize_fp8
+    from moe_ep.kernels.fp8 import fp8_scales_shape
     g = ablated_module(path, switches)
     N, K, rows = SHAPES[form]
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
     swiglu = form == "gemm1"
     R = 2 * N if swiglu else N
-    x8 = quantize_fp8(torch.randn(EXPERTS * rows, K, device=dev, generator=gen).bfloat16(), 1)
-    w8 = quantize_fp8((torch.randn(EXPERTS, R, K, device=dev, generator=gen) * K ** -0.5).bfloat16(), 128)
+    _, _, x8, w8, offs, rs = operands(N, K, rows, swiglu)
     M = EXPERTS * rows
-    offs = uniform_offsets(EXPERTS, rows, dev)
     if swiglu:
         out = torch.empty(M, N, dtype=torch.float8_e4m3fn, device=dev)
-        out_scales, rs = torch.empty(fp8_scales_shape((M, N), 1), dtype=torch.float32, device=dev), None
+        out_scales = torch.empty(fp8_scales_shape((M, N), 1), dtype=torch.float32, device=dev)
     else:
         out, out_scales = torch.empty(M, N, dtype=torch.bfloat16, device=dev), x8.scales
-        rs = torch.rand(M, device=dev, generator=gen) + 0.5
     progs = torch.cuda.get_device_properties(dev).multi_processor_count
 
     def call():

@@ -63,7 +63,11 @@ def reference(x8, w8, offs, swiglu):
     return out
 
 
-def run_row(name, N, K, rows, swiglu):
+def operands(N, K, rows, swiglu):
+    """A row's operands on the GPU (seed 0: every call makes the same ones): bf16 x ``[32 * rows, K]`` and w ``[32, R, K]``
+    (R = 2N with ``swiglu``, GEMM1's w13, else N), their FP8 forms (x per row, w per 128x128 block, gate and up
+    blocked apart for GEMM1), int32 offsets of ``rows`` per expert, and GEMM2's routing weights (None for GEMM1):
+    ``(x, w, x8, w8, offs, rs)``. ``ablate_gluon_fp8.py`` times the same."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     R = 2 * N if swiglu else N
@@ -71,9 +75,14 @@ def run_row(name, N, K, rows, swiglu):
     w = (torch.randn(EXPERTS, R, K, device=dev, generator=gen) * K ** -0.5).bfloat16()
     x8, w8 = quantize_fp8(x, 1), quantize_fp8(w, 128, gate_up=swiglu)
     offs = uniform_offsets(EXPERTS, rows, dev)
+    rs = None if swiglu else torch.rand(EXPERTS * rows, device=dev, generator=gen) + 0.5
+    return x, w, x8, w8, offs, rs
+
+
+def run_row(name, N, K, rows, swiglu):
+    R = 2 * N if swiglu else N
+    x, w, x8, w8, offs, rs = operands(N, K, rows, swiglu)
     M = EXPERTS * rows
-    # GEMM2's routing weights; GEMM1 takes none
-    rs = None if swiglu else torch.rand(M, device=dev, generator=gen) + 0.5
     row = {"shape": name, "experts": EXPERTS, "N": N, "K": K, "rows_per_expert": rows, "swiglu": swiglu,
            "flop_floor_us": 2 * M * R * K / FP8_PEAK * 1e6}
     ref = reference(x8, w8, offs, swiglu)
