@@ -64,10 +64,10 @@ def reference(x8, w8, offs, swiglu):
 
 
 def operands(N, K, rows, swiglu):
-    """A row's operands on the GPU (seed 0: every call makes the same ones): bf16 x ``[32 * rows, K]`` and w ``[32, R, K]``
-    (R = 2N with ``swiglu``, GEMM1's w13, else N), their FP8 forms (x per row, w per 128x128 block, gate and up
-    blocked apart for GEMM1), int32 offsets of ``rows`` per expert, and GEMM2's routing weights (None for GEMM1):
-    ``(x, w, x8, w8, offs, rs)``. ``ablate_gluon_fp8.py`` times the same."""
+    """A row's operands on the GPU (seed 0: every call makes the same ones): bf16 x ``[32 * rows, K]`` and w
+    ``[32, R, K]`` (R = 2N with ``swiglu``, GEMM1's w13, else N), their FP8 forms (x per row, w per 128x128 block,
+    gate and up blocked apart for GEMM1), int32 offsets of ``rows`` per expert, and GEMM2's routing weights (None for
+    GEMM1): ``(x, w, x8, w8, offs, rs)``. ``ablate_gluon_fp8.py`` times the same."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     R = 2 * N if swiglu else N
