@@ -2,23 +2,27 @@
 
 Every option moe-ep reads from the environment is a field of :class:`Options`:
 
-==========================  ====================  ===================================================================
-variable                    field                 values
-==========================  ====================  ===================================================================
-``MOE_EP_AUTOTUNE``         ``autotune``          on/off (bool): off = no config search, first configs untimed;
-                                                  default on, off under Triton's interpreter (its timings are
-                                                  Python time: a search only costs time there)
-``MOE_EP_AUTOTUNE_QUICK``   ``autotune_quick``    bool: search at most 3 grouped-GEMM configs per shape class
-``MOE_EP_DECODED_MIN_M``    ``decoded_min_m``     a positive int (tokens per expert), or off (``None``: never)
-``MOE_EP_GEMM_CHAIN``       ``gemm_chain``        bool: the expert MLP chains GEMM2 onto GEMM1 at decode shapes
-``MOE_EP_GLUON_FP8_MIN_M``  ``gluon_fp8_min_m``   a positive int (tokens per expert), or off (``None``: never): from
-                                                  this bucket on, ragged FP8 GEMMs run the Gluon fast path where it
-                                                  is verified (``grouped_gemm/gluon_fp8.py``)
-``MOE_EP_CONFIG_DIR``       ``config_dir``        a folder searched for tuned configs first (``None``: unset)
-``MOE_EP_FORWARD_PLAN``     ``forward_plan``      bool: a layer at world size 1 over the portable transport replays
-                                                  its eager forward's recorded launches (``forward_plan.py``);
-                                                  on by default
-==========================  ====================  ===================================================================
+============================  ======================  =================================================================
+variable                      field                   values
+============================  ======================  =================================================================
+``MOE_EP_AUTOTUNE``           ``autotune``            on/off (bool): off = no config search, first configs untimed;
+                                                      default on, off under Triton's interpreter (its timings are
+                                                      Python time: a search only costs time there)
+``MOE_EP_AUTOTUNE_QUICK``     ``autotune_quick``      bool: search at most 3 grouped-GEMM configs per shape class
+``MOE_EP_DECODED_MIN_M``      ``decoded_min_m``       a positive int (tokens per expert), or off (``None``: never)
+``MOE_EP_GEMM_CHAIN``         ``gemm_chain``          bool: the expert MLP chains GEMM2 onto GEMM1 at decode shapes
+``MOE_EP_GLUON_FP8_MIN_M``    ``gluon_fp8_min_m``     a positive int (tokens per expert), or off (``None``: never): from
+                                                      this bucket on, ragged FP8 GEMMs run the Gluon fast path where it
+                                                      is verified (``grouped_gemm/gluon_fp8.py``)
+``MOE_EP_GLUON_NVFP4_MIN_M``  ``gluon_nvfp4_min_m``   a positive int (tokens per expert), or off: from this bucket on,
+                                                      ragged GEMMs of bf16 x and NVFP4 weights run the Gluon prefill
+                                                      path where it is verified
+                                                      (``grouped_gemm/gluon_nvfp4_prefill.py``)
+``MOE_EP_CONFIG_DIR``         ``config_dir``          a folder searched for tuned configs first (``None``: unset)
+``MOE_EP_FORWARD_PLAN``       ``forward_plan``        bool: a layer at world size 1 over the portable transport replays
+                                                      its eager forward's recorded launches (``forward_plan.py``);
+                                                      on by default
+============================  ======================  =================================================================
 
 One field comes from the environment without a ``MOE_EP_`` variable of its own: ``user_config_dir``, the user's
 folder of tuned configs, ``$XDG_CONFIG_HOME/moe-ep/configs`` (``~/.config/moe-ep/configs`` when unset), read at the
@@ -48,6 +52,9 @@ from .errors import MoEEpConfigError
 
 DEFAULT_DECODED_MIN_M = 512  # from this many tokens per expert on, NVFP4 weights are decoded to bf16 copies first
 DEFAULT_GLUON_FP8_MIN_M = 128  # the bucket from which the FP8 expert MLP is faster through the Gluon kernels (PERF.md)
+# the bucket from which NVFP4 weights take the Gluon prefill GEMM where it is verified (none yet: it has not run on a
+# GPU, and the first timing of it against the tl paths picks this number)
+DEFAULT_GLUON_NVFP4_MIN_M = 128
 
 _TRUE = ("1", "on", "true", "yes")
 _FALSE = ("0", "off", "false", "no")
@@ -62,6 +69,7 @@ class Options:
     decoded_min_m: int | None = DEFAULT_DECODED_MIN_M
     gemm_chain: bool = True
     gluon_fp8_min_m: int | None = DEFAULT_GLUON_FP8_MIN_M
+    gluon_nvfp4_min_m: int | None = DEFAULT_GLUON_NVFP4_MIN_M
     config_dir: str | None = None
     forward_plan: bool = True
     user_config_dir: str | None = None  # set by parse(); not overridable (it is no MOE_EP_ option)
@@ -69,7 +77,8 @@ class Options:
 
 ENV = {"autotune": "MOE_EP_AUTOTUNE", "autotune_quick": "MOE_EP_AUTOTUNE_QUICK",
        "decoded_min_m": "MOE_EP_DECODED_MIN_M", "gemm_chain": "MOE_EP_GEMM_CHAIN",
-       "gluon_fp8_min_m": "MOE_EP_GLUON_FP8_MIN_M", "config_dir": "MOE_EP_CONFIG_DIR",
+       "gluon_fp8_min_m": "MOE_EP_GLUON_FP8_MIN_M", "gluon_nvfp4_min_m": "MOE_EP_GLUON_NVFP4_MIN_M",
+       "config_dir": "MOE_EP_CONFIG_DIR",
        "forward_plan": "MOE_EP_FORWARD_PLAN"}
 """Field name -> environment variable."""
 
@@ -111,7 +120,7 @@ def _path(name: str, value) -> str | None:
 
 
 _PARSE = {"autotune": _bool, "autotune_quick": _bool, "decoded_min_m": _min_m, "gemm_chain": _bool,
-          "gluon_fp8_min_m": _min_m, "config_dir": _path, "forward_plan": _bool}
+          "gluon_fp8_min_m": _min_m, "gluon_nvfp4_min_m": _min_m, "config_dir": _path, "forward_plan": _bool}
 
 
 def parse(env=None) -> Options:

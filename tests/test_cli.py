@@ -39,7 +39,8 @@ def test_info_process_exit_code_and_json(tmp_path):
     for t in info["transports"]:  # the install hint prints as written (rich would eat "[nccl]" as markup)
         if not t["available"] and t["install"].startswith("pip"):
             assert t["install"] in p.stdout, (t["install"], p.stdout)
-    assert [f["name"] for f in info["fast_paths"]] == ["gluon-fp8", "sm100-fp4"] and "fast paths" in p.stdout
+    assert [f["name"] for f in info["fast_paths"]] == ["gluon-fp8", "gluon-nvfp4", "sm100-fp4"]
+    assert "fast paths" in p.stdout
     if INTERPRETER:
         assert not any(f["taken"] for f in info["fast_paths"]) and all(f["reason"] for f in info["fast_paths"])
 

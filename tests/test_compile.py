@@ -15,7 +15,8 @@ import pytest
 from moe_ep.testing.compile_checks import SM90_ONLY
 
 # moe_ep.testing.compile_checks.TABLES
-KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4", "gluon_fp8"]
+KERNEL_MODULES = ["nvfp4", "fp8", "grouped_gemm", "fp4_decode", "bridge", "gluon_nvfp4", "gluon_nvfp4_prefill",
+                  "gluon_fp8"]
 
 # The builds are split into three groups per target, each one process (importing torch and triton once for the
 # group): the grouped GEMM's variants and the smem estimate's configs are most of the work, so as separate tests
@@ -247,6 +248,14 @@ def test_gluon_fp8_variants_build_for_sm90a_without_spills():
     ring's depth is chosen against it), and no wgmma serialization warning from ptxas (an MMA that could not run
     asynchronously would leave the tensor core idle through each promotion, the thing this kernel is for)."""
     assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_fp8")
+
+
+def test_gluon_nvfp4_prefill_variants_build_for_sm90a_without_spills():
+    """Every variant of the Gluon NVFP4-weight prefill GEMM, built for sm_90a as a launch builds it: no spill bytes
+    (its 256-token tile holds 128 accumulator registers a thread beside the decode's), at most the registers and
+    shared memory a block may use, and no wgmma serialization warning (the decoded A registers of an MMA in flight
+    left untouched, so that the two math warpgroups' MMAs and decodes overlap)."""
+    assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_nvfp4_prefill")
 
 
 ABLATION_SCRIPT = r"""

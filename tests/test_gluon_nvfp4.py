@@ -14,11 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_ep import MoEEpInputError
-from moe_ep.kernels import NvFp4Tensor, nvfp4_global_scale, quantize_nvfp4
+from moe_ep.kernels import nvfp4_global_scale, quantize_nvfp4
 from moe_ep.kernels.grouped_gemm import gluon_nvfp4
 from moe_ep.reference import dequantize_nvfp4_ref, grouped_gemm_ref
-from moe_ep.testing.strategies import expert_counts, scaled_values
-from moe_ep.triton_runtime import device as kernel_device
+from moe_ep.testing.strategies import cpu_nvfp4_weights, expert_counts, scaled_values
 
 FP32_TOL = 1e-4
 BF16_TOL = 1e-2
@@ -104,11 +103,12 @@ def test_gluon_nvfp4_benchmark_shapes(G, N, K, rows):
 def _bad_inputs():
     """(name, arguments for check_gluon_nvfp4 as a function of a valid set, what the message must name)."""
     return [
-        ("K not a multiple of 256", lambda a: dict(a, w=_w(2, 64, 128), x=torch.zeros(3, 128, dtype=torch.bfloat16)),
+        ("K not a multiple of 256",
+         lambda a: dict(a, w=cpu_nvfp4_weights(2, 64, 128), x=torch.zeros(3, 128, dtype=torch.bfloat16)),
          "w.shape[2] (K)"),
         ("w bf16", lambda a: dict(a, w=torch.zeros(2, 64, 256)), "type(w)"),
-        ("w 2-D", lambda a: dict(a, w=_w(None, 64, 256)), "w.shape"),
-        ("w swizzled", lambda a: dict(a, w=_w(2, 64, 256, swizzled=True)), "w.swizzled"),
+        ("w 2-D", lambda a: dict(a, w=cpu_nvfp4_weights(None, 64, 256)), "w.shape"),
+        ("w swizzled", lambda a: dict(a, w=cpu_nvfp4_weights(2, 64, 256, swizzled=True)), "w.swizzled"),
         ("x fp32", lambda a: dict(a, x=torch.zeros(3, 256)), "x.dtype"),
         ("x K mismatch", lambda a: dict(a, x=torch.zeros(3, 512, dtype=torch.bfloat16)), "x.shape"),
         ("offsets int64", lambda a: dict(a, offsets=torch.zeros(3, dtype=torch.int64)), "offsets.dtype"),
@@ -124,23 +124,11 @@ def _bad_inputs():
     ]
 
 
-def _w(G, N, K, swizzled=False):
-    """NVFP4 weights on the CPU wherever the kernels run (quantized where they run): the table's tensors are CPU
-    tensors on every machine, so each row fails the check it names and only "x on the CPU" the device check."""
-    shape = (N, K) if G is None else (G, N, K)
-    q = quantize_nvfp4(torch.ones(shape, device=kernel_device()))
-    q = NvFp4Tensor(q.data.cpu(), q.scales.cpu(), q.global_scale.cpu(), q.shape)
-    if swizzled:
-        from moe_ep.kernels.nvfp4_tensor import swizzle_scales
-        return NvFp4Tensor(q.data, swizzle_scales(q.scales), q.global_scale, q.shape, swizzled=True)
-    return q
-
-
 @pytest.mark.parametrize("name,make,what", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
 def test_gluon_nvfp4_bad_inputs_raise_named_errors(name, make, what):
     """Each bad argument raises MoEEpInputError naming it (the checks come before the device is touched, so this
     runs on a CPU: the CPU tensors fail only the device check, which comes last)."""
-    args = make(dict(x=torch.zeros(3, 256, dtype=torch.bfloat16), w=_w(2, 64, 256),
+    args = make(dict(x=torch.zeros(3, 256, dtype=torch.bfloat16), w=cpu_nvfp4_weights(2, 64, 256),
                      offsets=torch.zeros(3, dtype=torch.int32), out_dtype=torch.bfloat16))
     with pytest.raises(MoEEpInputError, match="^" + re.escape(what) + " = "):
         gluon_nvfp4.check_gluon_nvfp4(**args)

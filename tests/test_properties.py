@@ -7,7 +7,7 @@ import torch
 import moe_ep.layer
 from moe_ep import kernels
 from moe_ep.kernels import bridge, nvfp4
-from moe_ep.kernels.grouped_gemm import gluon_fp8, gluon_nvfp4
+from moe_ep.kernels.grouped_gemm import gluon_fp8, gluon_nvfp4, gluon_nvfp4_prefill
 from moe_ep.testing import properties as P
 from moe_ep.transports import torch_dist
 
@@ -109,6 +109,8 @@ GLUON = dict(G=2, K=256, N=100, counts=[5, 3], pad=2, out_dtype="float32", hint=
 GLUON_FP8 = dict(G=2, K=272, N=64, counts=[5, 3], lead=0, pad=2, row_scale=True, scale=1.0, zero_frac=0.0,
                  variant="coop", seed=7)
 GLUON_FP8_SWIGLU = dict(GLUON_FP8, N=200, row_scale=False, swiglu=True)  # two column tiles, the last one short
+GLUON_PREFILL = dict(G=2, K=192, N=200, swiglu=False, counts=[140, 3], pad=2, one_gs=False, scale=1.0, zero_frac=0.0,
+                     rs=True, block_t=None, seed=8)
 
 
 def _double_a_scale(f):
@@ -131,6 +133,11 @@ GPU_FAULTS = [  # the same, for kernels that run only on a GPU of one kind (the 
     (P.check_gluon_nvfp4_gemm, GLUON, gluon_nvfp4, "gluon_nvfp4_grouped_gemm", _bump_a_value, "relative error"),
     (P.check_gluon_nvfp4_gemm, dict(GLUON, out_dtype="bfloat16", launch=6), gluon_nvfp4, "gluon_nvfp4_grouped_gemm",
      _write_a_padding_row, "outside the experts' counts"),
+    (P.check_gluon_nvfp4_prefill_gemm, GLUON_PREFILL, gluon_nvfp4_prefill, "gluon_nvfp4_prefill_grouped_gemm",
+     _bump_a_value, "relative error"),
+    (P.check_gluon_nvfp4_prefill_gemm, dict(GLUON_PREFILL, swiglu=True, rs=False, N=64, block_t=256),
+     gluon_nvfp4_prefill, "gluon_nvfp4_prefill_swiglu_grouped_gemm", _write_a_padding_row,
+     "outside the experts' counts"),
     (P.check_gluon_fp8_gemm, GLUON_FP8, gluon_fp8, "gluon_fp8_grouped_gemm", _bump_a_value, "rel err"),
     (P.check_gluon_fp8_gemm, dict(GLUON_FP8, variant="coop_overlap"), gluon_fp8, "gluon_fp8_grouped_gemm",
      _write_a_padding_row, "rows of no expert written"),

@@ -3,9 +3,10 @@
 Targets (``--targets``): the properties of :mod:`moe_ep.testing.properties` (the checks the tests make, each with
 its tolerance): NVFP4 ``quantize`` / ``dequantize`` / ``gather_quantize`` (bit-exact), ``grouped_gemm`` and
 ``expert_mlp`` (relative error vs the fp32 reference), the bridge's ``route`` and ``permute`` (exact) and
-``unpermute_reduce``, ``gluon_nvfp4_grouped_gemm`` (the Gluon sm_90a NVFP4-weight GEMM vs the reference and the
-tl kernel), and ``layer`` (MoEEpLayer at world size 1 vs the dense MoE). Cases come from
-:mod:`moe_ep.testing.strategies`, sized by ``--sizes`` (``tiny`` for the interpreter, ``gpu`` on a device).
+``unpermute_reduce``, ``gluon_nvfp4_grouped_gemm`` and ``gluon_nvfp4_prefill_grouped_gemm`` (the Gluon sm_90a
+NVFP4-weight GEMMs, decode and prefill, vs the reference and the tl kernel), and ``layer`` (MoEEpLayer at world size
+1 vs the dense MoE). Cases come from :mod:`moe_ep.testing.strategies`, sized by ``--sizes`` (``tiny`` for the
+interpreter, ``gpu`` on a device).
 
 Runs under the ``fuzz`` hypothesis profile with a persistent example database (``--database``, default
 ``~/.cache/moe-ep/hypothesis``): a failure found once is replayed first on every later run. Stops after
@@ -15,7 +16,7 @@ processes at once, round-robin over the visible GPUs: one per target, or, with m
 several per target (shards with their own seeds sharing the target's examples and the database). A progress bar
 per target shows the examples run; Ctrl-C stops the run and prints what ran and what failed (exit code 130).
 Through the interpreter, without --examples or --seconds, each target stops after 25 examples or 30 s.
-A target whose kernel cannot run on this device (``gluon_nvfp4_grouped_gemm`` needs an sm_90 GPU) is reported
+A target whose kernel cannot run on this device (the Gluon ones need an sm_90 GPU) is reported
 "unavailable" with the reason; that alone does not make the exit code nonzero.
 """
 

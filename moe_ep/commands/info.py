@@ -54,14 +54,20 @@ def fast_paths() -> list[dict]:
     """The GPU-only grouped-GEMM paths the dispatcher may take instead of the tl kernel (``GemmPlan.path``): name,
     the calls it takes, whether it is taken here, and why not (or from when)."""
     from .. import options
-    from ..kernels.grouped_gemm import gluon_fp8, sm100_fp4
-    min_m, var = options.current().gluon_fp8_min_m, options.ENV["gluon_fp8_min_m"]
-    why = gluon_fp8.not_dispatchable_reason()
-    if why is None:
-        why = (f"from {min_m} tokens per expert ({var})" if min_m is not None else
-               f"{var} is off: unset it (default {options.DEFAULT_GLUON_FP8_MIN_M}) to take this path")
-    return [dict(name="gluon-fp8", calls="ragged FP8 GEMMs at prefill sizes (Hopper, sm_90)",
-                 taken=gluon_fp8.dispatchable() and min_m is not None, reason=why),
+    from ..kernels.grouped_gemm import gluon_fp8, gluon_nvfp4_prefill, sm100_fp4
+
+    def gluon(name, module, field, default, calls):
+        min_m, var = getattr(options.current(), field), options.ENV[field]
+        why = module.not_dispatchable_reason()
+        if why is None:
+            why = (f"from {min_m} tokens per expert ({var})" if min_m is not None else
+                   f"{var} is off: unset it (default {default}) to take this path")
+        return dict(name=name, calls=calls, taken=module.dispatchable() and min_m is not None, reason=why)
+
+    return [gluon("gluon-fp8", gluon_fp8, "gluon_fp8_min_m", options.DEFAULT_GLUON_FP8_MIN_M,
+                  "ragged FP8 GEMMs at prefill sizes (Hopper, sm_90)"),
+            gluon("gluon-nvfp4", gluon_nvfp4_prefill, "gluon_nvfp4_min_m", options.DEFAULT_GLUON_NVFP4_MIN_M,
+                  "ragged GEMMs of bf16 x and NVFP4 weights at prefill sizes (Hopper, sm_90)"),
             dict(name="sm100-fp4", calls="W4A4: NVFP4 x and weights (Blackwell, capability 10.x)",
                  taken=sm100_fp4.available(), reason=sm100_fp4.unavailable_reason() or "every W4A4 call")]
 

@@ -24,7 +24,9 @@ by the same loop (buckets, routed counts, device name, file): its candidates are
 (its space pruned for the shape and sm_100's shared and tensor memory), written under
 ``n{N}_k{K}_xnvfp4_wnvfp4[_swiglu]``.
 FP8 buckets that the Gluon FP8 kernels take on this GPU (``grouped_gemm.plan.gluon_fp8_takes``: an H100 / H200, from
-``MOE_EP_GLUON_FP8_MIN_M`` tokens per expert on) are not tuned: no tl config of theirs would be read.
+``MOE_EP_GLUON_FP8_MIN_M`` tokens per expert on), and NVFP4-weight buckets of bf16 x that the Gluon prefill GEMM
+takes (``gluon_nvfp4_takes``, from ``MOE_EP_GLUON_NVFP4_MIN_M`` on, where it is verified), are not tuned: no tl
+config of theirs would be read.
 Nothing here assumes an architecture: the device name and the config space come from the kernels' package.
 """
 
@@ -38,7 +40,7 @@ import torch
 from .. import device_facts, options
 from ..errors import MoEEpConfigError
 from ..kernels.grouped_gemm import config_space, grouped_gemm, plan_grouped_gemm, sm100_fp4, tuned_files
-from ..kernels.grouped_gemm.plan import gluon_fp8_takes
+from ..kernels.grouped_gemm.plan import gluon_fp8_takes, gluon_nvfp4_takes
 from ..triton_runtime import INTERPRETER, device
 from .common import (PRESETS, add_shape_arguments, int_list, name_list, preset_from_args, print_table, progress,
                      routed_offsets, uniform_offsets, write_json)
@@ -191,6 +193,12 @@ def run(args) -> int:
                 rows.append([s["preset"], key, s["bucket"], "not tuned: the Gluon FP8 kernels take this bucket here "
                              f"({options.ENV['gluon_fp8_min_m']}=off for the tl kernel's)", "", ""])
                 advance(label + " (Gluon FP8)")
+                continue
+            if s["w_fp4"] and not s.get("sm100") and gluon_nvfp4_takes(config_space.m_bucket(s["bucket"]), s["G"],
+                                                                       s["N"], s["K"], s["swiglu"]):
+                rows.append([s["preset"], key, s["bucket"], "not tuned: the Gluon NVFP4 prefill GEMM takes this "
+                             f"bucket here ({options.ENV['gluon_nvfp4_min_m']}=off for the tl kernel's)", "", ""])
+                advance(label + " (Gluon NVFP4)")
                 continue
             if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
                 stopped = True

@@ -11,6 +11,7 @@ from ..kernels import nvfp4 as _nvfp4
 from ..kernels.grouped_gemm import fp4_decode as _fp4_decode
 from ..kernels.grouped_gemm import gluon_fp8 as _gluon_fp8
 from ..kernels.grouped_gemm import gluon_nvfp4 as _gluon_nvfp4
+from ..kernels.grouped_gemm import gluon_nvfp4_prefill as _gluon_nvfp4_prefill
 from ..kernels.grouped_gemm import kernels as _gg_kernels
 from ..kernels.grouped_gemm import sm100_fp4 as _sm100_fp4
 
@@ -258,6 +259,17 @@ def gluon_nvfp4():
     return checks
 
 
+def gluon_nvfp4_prefill():
+    """(Gluon kernel, signature, constexprs, compile options) per token tile and form (GEMM2's with and without the
+    row scale, GEMM1's SwiGLU) of the Hopper NVFP4-weight prefill GEMM, with and without the TMA store, as a launch
+    builds it: sm_90 only (:data:`SM90_ONLY`)."""
+    kernel = _gluon_nvfp4_prefill._gluon_nvfp4_prefill_kernel
+    return [(kernel, *_gluon_nvfp4_prefill.compile_signature(block_t, has_rs, tma_store, swiglu))
+            for block_t in _gluon_nvfp4_prefill.TOKEN_TILES for swiglu in (False, True)
+            for has_rs in ((False, ) if swiglu else (True, False)) for tma_store in (True, False)
+            if tma_store or block_t == 128]  # (an out TMA cannot store into takes 128-token tiles: launch)
+
+
 def gluon_fp8():
     """(Gluon kernel, signature, constexprs, compile options) per variant of the Hopper FP8 block-scaled GEMM: GEMM2's
     form (``gluon_fp8.VARIANTS``) with and without the row scale, and GEMM1's (``gluon_fp8.SWIGLU_VARIANTS``: SwiGLU,
@@ -269,10 +281,10 @@ def gluon_fp8():
 
 
 TABLES = {"nvfp4": nvfp4, "fp8": fp8, "bridge": bridge, "fp4_decode": fp4_decode, "grouped_gemm": grouped_gemm,
-          "gluon_nvfp4": gluon_nvfp4, "gluon_fp8": gluon_fp8}
+          "gluon_nvfp4": gluon_nvfp4, "gluon_nvfp4_prefill": gluon_nvfp4_prefill, "gluon_fp8": gluon_fp8}
 """Kernel module -> its variants."""
 
-SM90_ONLY = {"gluon_nvfp4", "gluon_fp8"}
+SM90_ONLY = {"gluon_nvfp4", "gluon_nvfp4_prefill", "gluon_fp8"}
 """Kernel modules built for sm_90 alone (Hopper-only instructions): the sm_100 build says so instead of building."""
 
 

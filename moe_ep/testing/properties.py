@@ -276,6 +276,55 @@ def gluon_nvfp4_unavailable() -> str | None:
     return gluon_nvfp4.unavailable_reason()
 
 
+def gluon_nvfp4_prefill_problem(c: dict, dev):
+    """A :func:`~.strategies.gluon_nvfp4_prefill_cases` case's operands: bf16 x, NVFP4 weights (w13 of 2N rows with
+    ``swiglu``), int32 offsets, the routing weights or None, the rows within the experts, and the fp32 reference on
+    the dequantized weights (SwiGLU of it for GEMM1, times the routing weights for GEMM2)."""
+    from ..kernels import nvfp4
+    from ..reference import dequantize_nvfp4_ref, grouped_gemm_ref
+    gen = torch.Generator().manual_seed(c["seed"])
+    G, N, K = c["G"], c["N"], c["K"]
+    offs = S.offsets_of(c["counts"])
+    rows = offs[-1] + c["pad"]
+    x = S.scaled_values((rows, K), c["scale"], c["zero_frac"], gen).to(dev)
+    w = S.scaled_values((G, 2 * N if c["swiglu"] else N, K), 0.5, c["zero_frac"], gen).to(dev)
+    w = nvfp4.quantize_nvfp4(w, None if c["one_gs"] else nvfp4.nvfp4_global_scale(w, per_slice=True))
+    rs = (torch.rand(rows, generator=gen) + 0.5).to(dev) if c["rs"] else None
+    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+    ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets,
+                           row_scale=rs, swiglu=c["swiglu"])
+    return x, w, offsets, rs, torch.arange(rows) < offs[-1], ref
+
+
+def check_gluon_nvfp4_prefill_gemm(c: dict, dev, problem=None) -> None:
+    """The Gluon NVFP4-weight prefill GEMM (sm_90a) of a :func:`~.strategies.gluon_nvfp4_prefill_cases` case, GEMM2's
+    form or GEMM1's, at the case's token tile, into a NaN-poisoned bf16 output: within :data:`GEMM_TOL` of the fp32
+    reference on the dequantized weights, and of the ``tl`` kernel on the same operands (``grouped_gemm`` with the
+    Gluon path off); rows of no expert left unwritten. ``problem``: :func:`gluon_nvfp4_prefill_problem`'s tuple, when
+    the caller made it."""
+    from .. import options
+    from ..kernels import grouped_gemm
+    from ..kernels.grouped_gemm import gluon_nvfp4_prefill as gp
+    x, w, offsets, rs, valid, ref = gluon_nvfp4_prefill_problem(c, dev) if problem is None else problem
+    out = torch.full((x.shape[0], c["N"]), float("nan"), dtype=torch.bfloat16, device=dev)
+    if c["swiglu"]:
+        got = gp.gluon_nvfp4_prefill_swiglu_grouped_gemm(x, w, offsets, out=out, block_t=c["block_t"])
+    else:
+        got = gp.gluon_nvfp4_prefill_grouped_gemm(x, w, offsets, row_scale=rs, out=out, block_t=c["block_t"])
+    assert got is out, "gluon_nvfp4_prefill did not return its out= tensor"
+    assert_rel_close(out, ref, valid, GEMM_TOL, "gluon_nvfp4_prefill")
+    with options.override(gluon_nvfp4_min_m="off"):
+        tl_out = grouped_gemm(x, w, offsets=offsets, row_scale=rs, swiglu=c["swiglu"])
+    assert_rel_close(out, tl_out, valid, 2 * GEMM_TOL, "gluon_nvfp4_prefill against the tl kernel")
+    assert torch.isnan(out[~valid].float()).all(), "gluon_nvfp4_prefill wrote rows outside the experts' counts"
+
+
+def gluon_nvfp4_prefill_unavailable() -> str | None:
+    """Why the Gluon prefill kernel cannot run here (it needs an sm_90 GPU), or None."""
+    from ..kernels.grouped_gemm import gluon_nvfp4_prefill
+    return gluon_nvfp4_prefill.unavailable_reason()
+
+
 GLUON_FP8_TL_TOL = 2 * GEMM_TOL
 """The Gluon FP8 GEMM against the tl FP8 GEMM on the same operands: the sum of the two kernels' bounds (each within
 :data:`GEMM_TOL` of the same fp32 result)."""
@@ -604,6 +653,8 @@ PROPERTIES = {
     "layer_batch_invariance": Property(S.layer_cases, check_layer_batch_invariance),
     "dispatch_fp8": Property(S.layer_cases, check_dispatch_fp8),
     "gluon_nvfp4_grouped_gemm": Property(S.gluon_nvfp4_cases, check_gluon_nvfp4_gemm, gluon_nvfp4_unavailable),
+    "gluon_nvfp4_prefill_grouped_gemm": Property(S.gluon_nvfp4_prefill_cases, check_gluon_nvfp4_prefill_gemm,
+                                                 gluon_nvfp4_prefill_unavailable),
     "gluon_fp8_grouped_gemm": Property(S.gluon_fp8_cases, check_gluon_fp8_gemm, gluon_fp8_unavailable),
     "gluon_fp8_swiglu_grouped_gemm": Property(lambda b: S.gluon_fp8_cases(b, swiglu=True), check_gluon_fp8_swiglu_gemm,
                                               gluon_fp8_unavailable),

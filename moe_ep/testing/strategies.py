@@ -125,6 +125,38 @@ def gluon_nvfp4_cases(draw, b: Bounds = TINY):
                 launch=draw(st.integers(0, len(LAUNCH_SWEEP) - 1)), seed=draw(_seeds))
 
 
+def cpu_nvfp4_weights(G: int | None, N: int, K: int, swizzled: bool = False):
+    """NVFP4 weights of ones ``[G, N, K]`` (``[N, K]`` for G None) as CPU tensors on every machine (quantized where the
+    kernels run): the bad-input tables' weights, so that each row fails the check it names and only the row meant to
+    fails the device check."""
+    from ..kernels.nvfp4 import quantize_nvfp4
+    from ..kernels.nvfp4_tensor import NvFp4Tensor, swizzle_scales
+    from ..triton_runtime import device
+    shape = (N, K) if G is None else (G, N, K)
+    q = quantize_nvfp4(torch.ones(shape, device=device()))
+    q = NvFp4Tensor(q.data.cpu(), q.scales.cpu(), q.global_scale.cpu(), q.shape)
+    if swizzled:
+        return NvFp4Tensor(q.data, swizzle_scales(q.scales), q.global_scale, q.shape, swizzled=True)
+    return q
+
+
+@st.composite
+def gluon_nvfp4_prefill_cases(draw, b: Bounds = TINY):
+    """A problem of the Gluon NVFP4-weight prefill GEMM (ragged bf16 x, NVFP4 weights): 1-6 experts, K a multiple of
+    64 (up to 768), N (GEMM1: I) not always a multiple of the tile's columns, up to 300 tokens per expert (past the
+    largest token tile), empty experts, padding rows of no expert, GEMM2's form with a routing weight or not and
+    GEMM1's (SwiGLU), one or per-expert global scales, and the token tile (None: the kernel's pick). A GPU-only
+    kernel: the shapes are its own, ``b`` is not read."""
+    from ..kernels.grouped_gemm.gluon_nvfp4_prefill import TOKEN_TILES
+    G = draw(st.integers(1, 6))
+    swiglu = draw(st.booleans())
+    return dict(G=G, K=64 * draw(st.integers(1, 12)), N=draw(st.sampled_from([8, 64, 128, 200, 384])), swiglu=swiglu,
+                counts=draw(expert_counts(G, draw(st.sampled_from([1, 40, 128, 300])))), pad=draw(st.integers(0, 3)),
+                one_gs=draw(st.booleans()), scale=draw(st.sampled_from([1.0, 1e-3, 300.0])),
+                zero_frac=draw(st.sampled_from([0.0, 0.3])), rs=not swiglu and draw(st.booleans()),
+                block_t=draw(st.sampled_from([None, *TOKEN_TILES])), seed=draw(_seeds))
+
+
 @st.composite
 def gluon_fp8_cases(draw, b: Bounds = TINY, swiglu: bool = False):
     """A problem of the Gluon FP8 block-scaled grouped GEMM, prefill-class: 1-8 experts, K a multiple of 16 (not

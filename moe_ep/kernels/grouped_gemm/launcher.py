@@ -198,6 +198,9 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
     if p.path == "gluon-fp8":
         _launch_gluon_fp8(c, p)
         return p
+    if p.path == "gluon-nvfp4":
+        _launch_gluon_nvfp4(c, p)
+        return p
     if p.path == "sm100-fp4":
         sm100_fp4.launch(c.xd, c.xs, c.xgs, c.wd, c.ws, c.wgs, c.idx, c.out, c.row_scale, ragged=c.ragged,
                          swiglu=c.swiglu, G=c.G, N=c.N, K=c.K, M_max=c.M_max, S=c.S, config=p.config)
@@ -258,6 +261,16 @@ def _launch_gluon_fp8(c: _Call, p: GemmPlan) -> None:
         out, out_scales = c.out, c.xs  # (unread without SwiGLU)
     gluon_fp8.launch(c.xd, c.xs, c.wd, c.ws, offsets, out, out_scales, c.row_scale, p.config["VARIANT"],
                      swiglu=c.swiglu, num_programs=p.grid)
+
+
+def _launch_gluon_nvfp4(c: _Call, p: GemmPlan) -> None:
+    """Plan ``p``'s launch on the Gluon NVFP4-weight prefill GEMM (``gluon_nvfp4_prefill.py``): int32 offsets, as
+    for :func:`_launch_gluon_fp8`, and the weights' global scale one per expert."""
+    from . import gluon_nvfp4_prefill
+    offsets = c.idx if c.idx.dtype is torch.int32 else c.idx.clamp(0, c.S).to(torch.int32)
+    gs = c.wgs.reshape(-1).float().expand(c.G).contiguous()
+    gluon_nvfp4_prefill.launch(c.xd, c.wd, c.ws, gs, offsets, c.out, c.row_scale, p.config["BLOCK_T"], p.grid,
+                               swiglu=c.swiglu)
 
 
 def _flags(p: GemmPlan) -> dict:

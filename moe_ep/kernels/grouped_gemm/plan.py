@@ -18,7 +18,7 @@ from .config_space import DECODE_MAX_M, m_bucket
 
 CONFIG_SOURCES = ("tuned-file", "first-config", "autotune", "forced", "no-launch", "variant")
 CHAIN_ROLES = ("none", "counts", "waits")
-PATHS = ("tl", "sm100-fp4", "gluon-fp8")
+PATHS = ("tl", "sm100-fp4", "gluon-fp8", "gluon-nvfp4")
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,9 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
     if config is None and fp8 and ragged and out_format != "fp32" and swiglu == fp8_out and \
             gluon_fp8_takes(bucket, G, opts):
         return _gluon_fp8_plan(base)
+    if config is None and w_fp4 and not x_fp4 and ragged and out_format == "bf16" and \
+            gluon_nvfp4_takes(bucket, G, N, K, swiglu, opts):
+        return _gluon_nvfp4_plan(base)
     if x_fp4 and w_fp4 and sm100_fp4.available():  # W4A4 on Blackwell: native FP4 MMAs
         cfg, source, path = _sm100_config(N, K, m, swiglu, config)
         grid = schedule.tile_slots(ragged, G, M_max, S, N, cfg["BLOCK_M"], cfg["BLOCK_N"])
@@ -185,6 +188,26 @@ def _gluon_fp8_plan(base: dict) -> GemmPlan:
     cfg = {"VARIANT": variant, "BLOCK_M": spec.block_m, "BLOCK_N": spec.block_n}
     return GemmPlan(**dict(base, tma_possible=True), config=cfg, config_source="variant", config_file=None, tma=True,
                     persistent=True, grid=device_facts.sm_count(), path="gluon-fp8")
+
+
+def gluon_nvfp4_takes(bucket: int, G: int, N: int, K: int, swiglu: bool, opts: options.Options | None = None) -> bool:
+    """Whether a ragged call of bf16 x and NVFP4 weights of ``bucket`` tokens per expert and these sizes (N: GEMM1's
+    I), bf16 out, no forced config, runs the Gluon prefill GEMM here: from ``MOE_EP_GLUON_NVFP4_MIN_M`` on, where
+    ``gluon_nvfp4_prefill.dispatchable()`` and the kernels take the sizes (``gluon_nvfp4_prefill.takes``)."""
+    if bucket < ((opts or options.current()).gluon_nvfp4_min_m or float("inf")):
+        return False
+    from . import gluon_nvfp4_prefill  # (here: Gluon is imported only where a call may take it)
+    return gluon_nvfp4_prefill.takes(G, N, K, swiglu) and gluon_nvfp4_prefill.dispatchable()
+
+
+def _gluon_nvfp4_plan(base: dict) -> GemmPlan:
+    """The plan of a ragged NVFP4-weight prefill call on the Gluon kernel (``gluon_nvfp4_prefill.py``), where
+    :func:`gluon_nvfp4_takes`: the token tile of its bucket, the weights read as they are (no decoded copy)."""
+    from . import gluon_nvfp4_prefill
+    block_t = gluon_nvfp4_prefill.token_tile(base["m_bucket"])
+    cfg = {"BLOCK_T": block_t, "BLOCK_N": 2 * gluon_nvfp4_prefill.wg_columns(base["swiglu"])}
+    return GemmPlan(**dict(base, w_decoded=False, tma_possible=True), config=cfg, config_source="variant",
+                    config_file=None, tma=True, persistent=True, grid=device_facts.sm_count(), path="gluon-nvfp4")
 
 
 def _sm100_config(n: int, k: int, m: int, swiglu: bool, config: dict | None) -> tuple:

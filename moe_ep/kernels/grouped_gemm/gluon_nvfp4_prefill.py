@@ -1,0 +1,531 @@
+"""A Gluon warp-specialized grouped GEMM for Hopper (sm_90a), NVFP4 weights times bf16 x, ragged rows: the prefill
+shape class (hundreds of tokens per expert). GPU-only; the ``triton.language`` kernel (``kernels.py``) stays the
+reference path.
+
+``y_g = x_g @ w_g^T`` per expert g, computed as ``acc^T = W_g x_g^T``: a math warpgroup's 64 weight rows are wgmma's
+A operand, decoded from NVFP4 straight into the A *registers* (no decoded copy in shared memory, none in global
+memory), and ``BLOCK_T`` tokens (128 or 256) its N, read by wgmma from the x tile TMA brought into shared memory. A
+tile is 128 weight rows (two math warpgroups, 64 rows each, sharing the x tile) by ``BLOCK_T`` tokens.
+
+Partitions, sharing a ``STAGES``-deep ring of shared-memory slots with a "ready" and an "empty" mbarrier each:
+
+- the producer (1 warp, padded to a warpgroup by Triton) TMA-loads each K step's x tile ``[BLOCK_T, 64]`` and the
+  tile's packed codes ``[128, 32 bytes]`` (the codes as they are, as int32 words);
+- two math warpgroups: each loads its 64 rows' code words (and, from global memory a step ahead, their scale
+  bytes), decodes them into wgmma's A registers (:func:`_decode_a`), issues the MMA, waits for it and frees the
+  slot: while one warpgroup decodes, the other's MMA runs. (An MMA left in flight across the next decode would need
+  its A registers kept intact to a later wait; Triton 3.6 keeps the bf16 values alive there, not the packed
+  registers wgmma reads, and ptxas then serializes every MMA.) At the end of a tile: times ``256 / gs`` of the
+  expert (the decode's values are ``e2m1 * s * 2^-8``) and, in GEMM2's form, the token's routing weight; GEMM1's
+  form (SwiGLU) takes ``silu(gate) * up`` of each thread's gate and up sums. The result goes transposed into a
+  shared-memory staging tile, then out by one TMA store where the tile's tokens are all its expert's, else copied
+  out by the warpgroup's threads, 16 bytes a store, masked to the expert's rows.
+
+The A operand of a bf16 wgmma gives thread ``(warp w, lane l)`` rows ``16 w + l // 4`` and ``+ 8``, and of each
+16-wide K chunk the pairs ``k = 2c, 2c + 1`` and ``8 + 2c, 9 + 2c`` (``c = l % 4``): of the chunk's 8 code bytes, byte
+``c`` and byte ``c + 4`` (a byte holds ``k = 2b`` in its low nibble and ``2b + 1`` in its high). So every thread of a
+row's four loads the row's code words, and one ``prmt`` picks its two bytes out of a word pair; 8 ALU ops more make
+two bf16x2 registers of A, scaled by the chunk's E4M3 scale (``_DECODE_ASM``). The layouts below say which register
+holds which value; the conversion to wgmma's operand layout moves no data.
+
+GEMM1's form (``SWIGLU``, :func:`gluon_nvfp4_prefill_swiglu_grouped_gemm`): a tile is 64 output channels, a math
+warpgroup's 64 rows 4 groups of 8 gate rows over their 8 up rows, so that a thread's two accumulator rows (r and
+r + 8) are one channel's gate and up. The producer's box over w13's code words seen as ``[G, I/8, 2, 8, K/8]`` (strides
+reordered, no copy) brings them in that order; the scale bytes are read at the same rows.
+
+Every partition walks the persistent tile order of ``gluon_fp8``: experts in order, and within expert g its token
+tiles fastest (``m_tiles(g) * n_tiles``), program p taking tiles p, p + P, ... Token tiles may read rows past their
+expert's end (computed, never stored), weight tiles rows past N (likewise). K must be a multiple of 64 (a K step's
+4 scale bytes of a row are one aligned int32; the code rows are then 16-byte multiples, as TMA needs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ... import device_facts
+from ...errors import MoEEpConfigError, check
+from ...triton_runtime import triton_minor
+from ..nvfp4_tensor import NvFp4Tensor
+from .gluon_fp8 import _expert_rows, _first_tile, _tma_load, _tma_store
+
+BLOCK_K = 64  # K per ring slot: 4 scale blocks, one int32 of scale bytes per row
+WG_ROWS = 64  # weight rows per math warpgroup: the wgmma M of one warpgroup
+BLOCK_N = 2 * WG_ROWS  # a tile's weight rows: two math warpgroups
+K_MULTIPLE = 64
+TOKEN_TILES = (128, 256)
+"""BLOCK_T choices: wgmma N. 256 for experts of 256 tokens on; 128 keeps more tiles in flight for fewer."""
+MAX_EXPERTS = 1024
+_WG_ROWS = gl.constexpr(WG_ROWS)
+# a barrier of the warpgroup's threads (in a warp-specialized partition, Triton's CTA barrier is the partition's):
+# Gluon's name for it changed (Triton 3.6 ``thread_barrier``, 3.9 ``barrier``)
+_warpgroup_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+# A thread's two code words of one K chunk's k 0-7 or 8-15 (row r's: $2, row r + 8's: $4) -> two bf16x2 registers of
+# wgmma's A operand, (k = 2c, 2c + 1) of row r ($0) and of row r + 8 ($1): prmt by $6 (c | (4 + c) << 8) puts byte
+# c of row r's word in byte 0 and of row r + 8's in byte 2; a shift and two more prmt put each byte's two nibbles
+# (k = 2c in the low one, 2c + 1 in the high) at the bottom of a half each; then per register the tl kernel's
+# _FP4_ASM steps: mask, one multiply to put the magnitude into the exponent LSBs / mantissa MSB and the sign into bit
+# 15 (code 1 lands on a bf16 subnormal, which bf16 fma keeps), mask, one bf16x2 fma by the row's block scale as bf16
+# s * 2^118 in both halves ($10, $11): e2m1 * s * 2^-8, exact. (The asm's 4 elements are the layout's first two
+# register bits, e and the row's + 8; its other operands repeat the words and scales for e.)
+_DECODE_ASM = gl.constexpr("""{
+.reg .b32 t, y, u, m, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $2, $4, $6;
+shr.b32 y, t, 4;
+prmt.b32 u, t, y, 0x0400;
+and.b32 m, u, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $0, m, $10, z;
+prmt.b32 u, t, y, 0x0602;
+and.b32 m, u, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $1, m, $11, z;
+}""")
+_TWO_118 = gl.constexpr(2.0 ** 118)
+
+# The decode's layout of a math warpgroup's [64 rows, 4 (c), 4 (j: K chunk), 2 (h: the chunk's k 0-7 or 8-15), 2 (e:
+# k even or odd)]: wgmma's A operand with the chunk's k split as 8h + 2c + e, register bits e, the row's + 8, h, j
+# in that order (as the operand's), c the lane's low bits, the rest of the rows the lane's high bits and the warp.
+DECODE_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 0, 1], [8, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]],
+    lane_bases=[[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]],
+    warp_bases=[[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], block_bases=[], shape=[WG_ROWS, 4, 4, 2, 2])
+
+# A math warpgroup's code words of a K step, [64 rows, 8 words], as the decode reads them: the decode layout's rows,
+# the 8 words in registers, the same words in the four lanes of a row (word 2j + h: chunk j's k 0-7 or 8-15)
+WORD_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[8, 0], [0, 1], [0, 2], [0, 4]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_ROWS, BLOCK_K // 8])
+
+
+def token_tile(tokens_per_expert: int) -> int:
+    """The BLOCK_T for an expected ``tokens_per_expert``: 256 from 256 tokens on, else 128."""
+    return 256 if tokens_per_expert >= 256 else 128
+
+
+def ring_stages(block_t: int) -> int:
+    """Ring slots that fit shared memory beside the staging tiles: a slot is the x tile (``block_t * 128`` bytes)
+    and 4 KB of codes; a math warpgroup's staging tile is ``[block_t, 64]`` bf16."""
+    slot = block_t * BLOCK_K * 2 + BLOCK_N * BLOCK_K // 2
+    staging = 2 * block_t * WG_ROWS * 2
+    return min(6, (220 * 1024 - staging) // slot)
+
+
+def shared_layouts(block_t: int, swiglu: bool = False) -> dict:
+    """The NVMMA shared layouts of the x and code ring slots and the staging tile (also the compile check's
+    descriptor types); ``swiglu``: GEMM1's (5-D code boxes, 32 output columns a math warpgroup)."""
+    return {"x": gl.NVMMASharedLayout.get_default_for([block_t, BLOCK_K], gl.bfloat16),
+            # unswizzled: a thread reads its two rows' 32 bytes whole
+            "codes": gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=5 if swiglu else 2),
+            "out": gl.NVMMASharedLayout.get_default_for([block_t, wg_columns(swiglu)], gl.bfloat16)}
+
+
+def wg_columns(swiglu: bool) -> int:
+    """A math warpgroup's output columns: its 64 weight rows, or with ``swiglu`` the 32 channels of its 32 gate rows
+    and 32 up rows."""
+    return WG_ROWS // 2 if swiglu else WG_ROWS
+
+
+def code_box(swiglu: bool) -> list:
+    """A ring slot's TMA box of code words: 128 rows of ``[G * N, K/8]``, or with ``swiglu`` 8 groups of 8 gate rows
+    and their 8 up rows of ``[G, I/8, 2, 8, K/8]``."""
+    return [1, 8, 2, 8, BLOCK_K // 8] if swiglu else [BLOCK_N, BLOCK_K // 8]
+
+
+@gluon.jit
+def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, STAGES: gl.constexpr,
+              SWIGLU: gl.constexpr):
+    """1 warp: for every tile of this program, fill ring slot i % STAGES with K step i's x tile and code words once
+    both math warpgroups freed it. SWIGLU: ``q_desc`` is over w13's words seen as ``[G, I/8, 2, 8, K/8]`` (8 gate
+    rows, then their 8 up rows), and a slot's 128 rows are 8 such groups: 64 output channels."""
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    TILE_N: gl.constexpr = 64 if SWIGLU else 128  # output columns a tile
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    k_steps = gl.cdiv(K, BK)
+    i = 0
+    first = 0
+    for g in range(G):
+        start, end = _expert_rows(offs_ptr, g, M)
+        m_tiles = gl.cdiv(end - start, BT)
+        last = first + m_tiles * N_TILES
+        for t in range(_first_tile(first, pid, P), last, P):
+            local = t - first
+            row0 = start + (local % m_tiles) * BT
+            n0 = (local // m_tiles) * TILE_N
+            for ks in range(k_steps):
+                slot = i % STAGES
+                # a fresh barrier counts as having completed the phase before phase 0: the first pass does not wait
+                mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
+                if SWIGLU:
+                    _tma_load(q_desc, [g, n0 // 8, 0, 0, ks * (BK // 8)], bar, q_ring.index(slot))
+                else:
+                    _tma_load(q_desc, [g * N + n0, ks * (BK // 8)], bar, q_ring.index(slot))
+                i += 1
+        first = last
+
+
+@gluon.jit
+def _decode_a(words, sw, a_layout: gl.constexpr):
+    """A math warpgroup's K step of weights as wgmma's A operand: ``words`` int32 ``[64, 4, 2]`` (row, j, h: the
+    row's code word 2j + h of the step, in ``Slice(1, Slice(4, DECODE_LAYOUT))``) and ``sw`` int32 ``[64]`` (the
+    row's 4 scale bytes of the step, chunk j's in byte j) -> bf16 ``[64, 64]`` ``e2m1 * s * 2^-8`` in ``a_layout``."""
+    L: gl.constexpr = DECODE_LAYOUT
+    R: gl.constexpr = words.shape[0]
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L)))))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L)))))
+    sel = (c | ((c + 4) << 8))[None, :, None, None, None]
+    # chunk j's scale byte, sign dropped (as the tl kernel's decode), as bf16 s * 2^118 (exact)
+    sb = ((sw[:, None] >> (8 * j[None, :])) & 0x7F).to(gl.uint8)  # [R, 4]
+    s = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _TWO_118).to(gl.bfloat16)
+    shape = gl.full([R, 4, 4, 2, 2], 0, gl.int32, L)  # (its shape and layout, to broadcast the operands to)
+    a = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r,r",
+                                  [gl.broadcast(words[:, None, :, :, None], shape)[0], gl.broadcast(sel, shape)[0],
+                                   gl.broadcast(s[:, None, :, None, None], shape)[0]],
+                                  dtype=gl.bfloat16, is_pure=True, pack=4)
+    a = gl.permute(a, (0, 2, 3, 1, 4))  # [R, j, h, c, e]: k = 16j + 8h + 2c + e
+    return gl.convert_layout(gl.reshape(a, [R, 64]), a_layout)
+
+
+@gluon.jit
+def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, o_desc,
+              o_tile, WG: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
+              SWIGLU: gl.constexpr):
+    """Math warpgroup WG: weight rows WG * 64 .. WG * 64 + 63 of each of this program's tiles against the tile's
+    tokens, then stored (times 256 / gs, and with HAS_RS the token's routing weight) as out[token, row] where the
+    token is its expert's and the row < N. SWIGLU: the warpgroup's rows are 4 groups of 8 gate rows over their 8 up
+    rows (``_producer``), so a thread holds a channel's gate sums and its up sums; it stores ``silu(gate) * up`` of
+    its 32 channels."""
+    BT: gl.constexpr = x_ring.shape[1]
+    BK: gl.constexpr = x_ring.shape[2]
+    TILE_N: gl.constexpr = 64 if SWIGLU else 128  # output columns a tile
+    WG_N: gl.constexpr = TILE_N // 2  # a warpgroup's
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BT, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    word_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, DECODE_LAYOUT))
+    row_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, DECODE_LAYOUT))))
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    k_steps = gl.cdiv(K, BK)
+    KW = K // BK  # scale words per weight row
+    r_dec = WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=row_layout)
+    toks = gl.arange(0, BT, layout=gl.SliceLayout(0, acc_layout))
+    # the staging tile's rows as a thread copies them out: 8 bf16 (16 bytes) a thread, a row's 64 by 8 threads
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    c_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, copy_layout))
+    c_cols = gl.arange(0, WG_N, layout=gl.SliceLayout(0, copy_layout))
+    if SWIGLU:
+        # decode row 16w + 8u + r: channel 8w + r of the warpgroup's 32, gate's row (u = 0) or up's (u = 1)
+        r_ch = (r_dec - WG * _WG_ROWS) // 16 * 8 + r_dec % 8 + WG * WG_N
+        r_up = (r_dec // 8) % 2
+    acc = gl.zeros([_WG_ROWS, BT], gl.float32, acc_layout)
+    i = 0
+    first = 0
+    for g in range(G):
+        start, end = _expert_rows(offs_ptr, g, M)
+        m_tiles = gl.cdiv(end - start, BT)
+        last = first + m_tiles * N_TILES
+        gs = gl.load(gs_ptr + g)
+        # the reference's rows with a global scale that is not positive and finite are NaN; the decode's values
+        # are e2m1 * s * 2^-8
+        inv = gl.where((gs > 0.0) & (gs < float("inf")), 256.0 / gs, float("nan"))
+        for t in range(_first_tile(first, pid, P), last, P):
+            local = t - first
+            row0 = start + (local % m_tiles) * BT
+            n0 = (local // m_tiles) * TILE_N
+            if SWIGLU:  # w13's row of each decode row: gate rows, then up rows
+                s_ptrs = ws_ptr + (g * 2 * N + r_up * N + n0 + r_ch).to(gl.int64) * KW
+                s_mask = n0 + r_ch < N
+            else:
+                wrow = n0 + r_dec  # the decode's weight rows of this expert
+                s_ptrs = ws_ptr + (g * N + wrow).to(gl.int64) * KW
+                s_mask = wrow < N
+            sw = gl.load(s_ptrs, mask=s_mask, other=0)
+            for ks in range(k_steps):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                words = q_ring.index(slot)
+                if SWIGLU:
+                    words = words.reshape([2 * _WG_ROWS, BK // 8])
+                words = words.slice(WG * _WG_ROWS, _WG_ROWS, dim=0).load(WORD_LAYOUT)
+                words = gl.convert_layout(gl.reshape(words, [_WG_ROWS, 4, 2]), word_layout)
+                a = _decode_a(words, sw, a_layout)
+                acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, use_acc=ks > 0, is_async=True)
+                # the next step's scale bytes load while this step's MMA runs
+                sw = gl.load(s_ptrs + (ks + 1), mask=s_mask & (ks + 1 < KW), other=0)
+                # the MMA is waited for here: its A registers must stay as they are until it is done, and Triton
+                # 3.6 cannot keep the packed registers wgmma reads alive past a later wait (ptxas then serializes
+                # the step's MMAs); the other math warpgroup's MMA runs while this one decodes its next step
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(empty.index(slot), count=1)
+                i += 1
+            vals = acc * inv
+            tok = row0 + toks
+            if HAS_RS:
+                vals = vals * gl.load(rs_ptr + tok, mask=tok < end, other=0.0)[None, :]
+            if SWIGLU:
+                # rows 16w + 8u + r: u (a register bit of the accumulator layout) splits gate from up in each thread
+                gate, up = gl.split(gl.permute(gl.reshape(vals, [4, 2, 8, BT]), (0, 2, 3, 1)))
+                vals = gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [WG_N, BT])
+            # the tile transposed into the staging tile, once the previous tile's store has read it (the TMA
+            # store's wait, or the barrier after the copy below); the barrier after the write lets every thread of
+            # the warpgroup read any of its rows
+            if TMA_STORE:
+                tma.store_wait(0)
+            o_tile.store(gl.permute(vals.to(o_tile.dtype), (1, 0)))
+            if TMA_STORE and row0 + BT <= end:
+                fence_async_shared()
+                _tma_store(o_desc, [row0, n0 + WG * WG_N], o_tile)
+            else:
+                # a tile over its expert's end (or an out TMA cannot store into): the rows that are the expert's,
+                # 16 bytes a store
+                _warpgroup_barrier()
+                v = o_tile.load(copy_layout)
+                cols = n0 + WG * WG_N + c_cols
+                ptrs = out_ptr + (row0 + c_rows)[:, None].to(gl.int64) * N + cols[None, :]
+                gl.store(ptrs, v, mask=((row0 + c_rows) < end)[:, None] & (cols < N)[None, :])
+                _warpgroup_barrier()
+        first = last
+    if TMA_STORE:
+        tma.store_wait(0)  # the staging tile stays live until its last store has read it
+
+
+@gluon.jit
+def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, M, N, K, G, N_TILES,
+                                o_desc, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
+                                SWIGLU: gl.constexpr):
+    """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). ``o_desc``: with
+    TMA_STORE a descriptor over out ``[M, N]`` of ``[BLOCK_T, 64]`` boxes (SWIGLU: 32), else out again (unread). N:
+    the output's columns (SWIGLU: I, of w13's 2I rows an expert)."""
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    WG_N: gl.constexpr = 32 if SWIGLU else 64  # output columns a math warpgroup
+    q_box: gl.constexpr = q_desc.block_type.shape
+    gl.static_assert(q_box[len(q_box) - 1] * 8 == BK, "a slot's code words cover its x tile's K")
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_desc.layout)
+    if SWIGLU:  # [1, 8, 2, 8, BK / 8] a slot: 8 groups of 8 gate rows over their 8 up rows
+        q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 8, 2, 8, BK // 8], q_desc.layout)
+    else:
+        q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 2 * _WG_ROWS, BK // 8], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # a staging tile a math warpgroup (the TMA store's box layout)
+    o_tiles = gl.allocate_shared_memory(gl.bfloat16, [2, BT, WG_N],
+                                        gl.NVMMASharedLayout.get_default_for([BT, WG_N], gl.bfloat16))
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)  # each math warpgroup frees the slot once
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
+                     o_desc, o_tiles.index(0), 0, STAGES, HAS_RS, TMA_STORE, SWIGLU)),
+        (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
+                     o_desc, o_tiles.index(1), 1, STAGES, HAS_RS, TMA_STORE, SWIGLU)),
+        (_producer, (x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, STAGES, SWIGLU)),
+    ], [4, 1], [232, 24])
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+        mbarrier.invalidate(empty.index(j))
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`gluon_nvfp4_prefill_grouped_gemm` cannot run here, or None where it can: it needs an sm_90 GPU
+    (:func:`device_facts.sm90_unavailable_reason`)."""
+    return device_facts.sm90_unavailable_reason()
+
+
+def available() -> bool:
+    """Whether :func:`gluon_nvfp4_prefill_grouped_gemm` can run here (an sm_90 GPU, no interpreter)."""
+    return unavailable_reason() is None
+
+
+CHECKED_TRITONS: tuple[str, ...] = ()
+"""Triton releases under which both forms passed the GPU property tests (``tests/test_gluon_nvfp4_prefill.py`` on
+sm_90): the grouped-GEMM dispatcher takes this path under these only (:func:`dispatchable`); the entry points run
+under any. None yet: the kernel has not run on a GPU (its first device call runs ``bash tests/run_on_gpu.sh 36
+tests:tests/test_gluon_nvfp4_prefill.py nvfp4_prefill``)."""
+
+
+def dispatchable() -> bool:
+    """Whether the grouped-GEMM dispatcher may take this path here: :func:`available`, under a Triton of
+    :data:`CHECKED_TRITONS`."""
+    return available() and triton_minor() in CHECKED_TRITONS
+
+
+def not_dispatchable_reason() -> str | None:
+    """Why :func:`dispatchable` says False here (``moe-ep info`` shows it), or None."""
+    reason = unavailable_reason()
+    if reason is None and triton_minor() not in CHECKED_TRITONS:
+        reason = (f"Triton {triton.__version__}: verified under {' / '.join(CHECKED_TRITONS)} only" if CHECKED_TRITONS
+                  else "not yet verified on a GPU (its property tests have not run on sm_90)")
+    return reason
+
+
+def takes(G: int, N: int, K: int, swiglu: bool) -> bool:
+    """Whether a ragged call of these sizes (N: the output's columns, GEMM1's I) is one the kernels have: K a multiple
+    of 64, GEMM1's I of 8, at most :data:`MAX_EXPERTS` experts."""
+    return K % K_MULTIPLE == 0 and (not swiglu or N % 8 == 0) and 0 < G <= MAX_EXPERTS
+
+
+def tma_storable(out: torch.Tensor) -> bool:
+    """Whether the kernel can store into ``out`` (bf16 ``[M, N]``, contiguous) by TMA: a 16-byte aligned base and
+    16-byte row strides (N a multiple of 8). Elsewhere every tile is copied out of the staging tile by the threads,
+    the same values."""
+    return out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
+
+
+def check_gluon_nvfp4_prefill(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor,
+                              row_scale: torch.Tensor | None = None, block_t: int | None = None,
+                              num_programs: int | None = None, swiglu: bool = False) -> None:
+    """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_nvfp4_prefill_grouped_gemm` (with
+    ``swiglu``, :func:`gluon_nvfp4_prefill_swiglu_grouped_gemm`: no row scale) takes (no device is touched; the
+    device checks come last)."""
+    check(isinstance(w, NvFp4Tensor), "type(w)", type(w).__name__, "an NvFp4Tensor [G, N, K]")
+    w.check("w")
+    check(len(w.shape) == 3, "w.shape", tuple(w.shape), "[G, N, K] (3-D)")
+    G, N, K = w.shape
+    check(not w.swizzled, "w.swizzled", w.swizzled, "False (linear scales [G, N, K/16])")
+    check(G > 0 and N > 0, "w.shape", tuple(w.shape), "G > 0 and N > 0")
+    check(G <= MAX_EXPERTS, "w.shape[0] (G)", G, f"<= {MAX_EXPERTS}")
+    check(K % K_MULTIPLE == 0 and K > 0, "w.shape[2] (K)", K,
+          f"a positive multiple of {K_MULTIPLE} (a K step's 4 scale bytes of a row are one aligned int32)")
+    check(w.global_scale.numel() in (1, G), "w.global_scale.numel()", w.global_scale.numel(), f"1 or {G}")
+    if swiglu:
+        check(N % 16 == 0, "w.shape[1] (2I)", N, "a multiple of 16 (gate rows, then up rows; I a multiple of 8)")
+    check(isinstance(x, torch.Tensor), "type(x)", type(x).__name__, "a bf16 torch.Tensor [M, K]")
+    check(x.dtype == torch.bfloat16, "x.dtype", x.dtype, "torch.bfloat16")
+    check(x.dim() == 2 and x.shape[1] == K, "x.shape", tuple(x.shape), f"[M, {K}] (K of w)")
+    check(x.shape[0] < 2**31, "x.shape[0] (M)", x.shape[0], "< 2^31")
+    check(isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int32, "offsets.dtype",
+          getattr(offsets, "dtype", type(offsets).__name__), "torch.int32")
+    check(tuple(offsets.shape) == (G + 1, ), "offsets.shape", tuple(offsets.shape), f"({G + 1},) (G + 1)")
+    check(block_t is None or block_t in TOKEN_TILES, "block_t", block_t, f"None or one of {TOKEN_TILES}")
+    check(num_programs is None or (isinstance(num_programs, int) and num_programs > 0), "num_programs", num_programs,
+          "None or a positive int")
+    if row_scale is not None:
+        check(isinstance(row_scale, torch.Tensor) and row_scale.dtype == torch.float32, "row_scale.dtype",
+              getattr(row_scale, "dtype", type(row_scale).__name__), "torch.float32")
+        check(tuple(row_scale.shape) == (x.shape[0], ), "row_scale.shape", tuple(row_scale.shape),
+              f"({x.shape[0]},) (one weight per row of x)")
+    check(x.device.type == "cuda" and w.device == x.device, "x.device", str(x.device),
+          f"a CUDA device, the weights' ({w.device})")
+    check(offsets.device == x.device, "offsets.device", str(offsets.device), str(x.device))
+    if row_scale is not None:
+        check(row_scale.device == x.device, "row_scale.device", str(row_scale.device), str(x.device))
+
+
+def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, offsets: torch.Tensor,
+           out: torch.Tensor, row_scale: torch.Tensor | None, block_t: int, num_programs: int,
+           swiglu: bool = False) -> None:
+    """Launch the kernel on checked parts (at least one row): x bf16 ``[M, K]``, codes uint8 ``[G, R, K/2]``, scale
+    bytes ``[G, R, K/16]`` (any 1-byte dtype), fp32 ``gs [G]``, int32 ``offsets [G + 1]``, ``out`` bf16 ``[M, N]``
+    (N = R, or with ``swiglu`` R / 2: w13's gate rows then up rows), the persistent grid ``num_programs``."""
+    G, R, K2 = codes.shape
+    K = 2 * K2
+    N = R // 2 if swiglu else R
+    x = x.contiguous()
+    if x.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
+        x = x.clone()
+    words = codes.contiguous().view(torch.int32)
+    # GEMM1: each 8 gate rows, then their 8 up rows (strides of w13's [G, 2, I/8, 8, K/8] reordered, not copied)
+    words = words.view(G, 2, N // 8, 8, K // 8).transpose(1, 2) if swiglu else words.view(G * R, K // 8)
+    sw = scales.contiguous().view(torch.uint8).view(torch.int32).view(G * R, K // BLOCK_K)
+    rs = gs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
+    tma_store = tma_storable(out)
+    if not tma_store:  # every tile copied out by the threads: at 256 tokens GEMM2's form spills (Triton 3.9's build)
+        block_t = min(block_t, 128)
+    lay = shared_layouts(block_t, swiglu)
+    x_desc = TensorDescriptor.from_tensor(x, [block_t, BLOCK_K], lay["x"])
+    q_desc = TensorDescriptor.from_tensor(words, code_box(swiglu), lay["codes"])
+    o_desc = TensorDescriptor.from_tensor(out, [block_t, wg_columns(swiglu)], lay["out"]) if tma_store else out
+    _gluon_nvfp4_prefill_kernel[(num_programs, )](x_desc, q_desc, sw, gs, rs, out, offsets, x.shape[0], N, K, G,
+                                                  -(-N // (2 * wg_columns(swiglu))), o_desc,
+                                                  STAGES=ring_stages(block_t), HAS_RS=row_scale is not None,
+                                                  TMA_STORE=tma_store, SWIGLU=bool(swiglu),
+                                                  num_warps=4)
+
+
+def _run(x, w, offsets, row_scale, out, block_t, num_programs, swiglu):
+    """The entry points' common part past their checks: ``out`` checked or made, the launch."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise MoEEpConfigError(f"gluon_nvfp4_prefill {reason}")
+    G, R, K = w.shape
+    M, N = x.shape[0], R // 2 if swiglu else R
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    else:
+        check(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+              and tuple(out.shape) == (M, N) and out.is_contiguous() and out.device == x.device, "out",
+              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
+              f"a contiguous torch.bfloat16 ({M}, {N}) on {x.device}")
+    if M:
+        gs = w.global_scale.reshape(-1).float().expand(G).contiguous()
+        launch(x, w.data, w.scales, gs, offsets, out, row_scale, block_t or token_tile(-(-M // G)),
+               num_programs or torch.cuda.get_device_properties(x.device).multi_processor_count, swiglu=swiglu)
+    return out
+
+
+def gluon_nvfp4_prefill_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, *,
+                                     row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                                     block_t: int | None = None,
+                                     num_programs: int | None = None) -> torch.Tensor:
+    """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
+
+    ``x``: bf16 ``[M, K]`` sorted by expert. ``w``: :class:`NvFp4Tensor` ``[G, N, K]``, linear scales, a global scale
+    per expert (``[G]``) or one; K a multiple of 64. ``offsets``: int32 ``[G + 1]`` on x's device, nondecreasing in
+    ``[0, M]`` (clamped to it on the device; no host sync). ``row_scale``: optional fp32 ``[M]``, each output row's
+    factor (the routing weight of its slot). Returns bf16 ``[M, N]``: ``out`` (contiguous, on x's device) or a new
+    ``torch.empty``; rows outside every expert are not written, as with the tl kernel. ``block_t``: the token tile
+    (default :func:`token_tile` of ``ceil(M / G)``). ``num_programs``: the persistent grid (default: the SM count).
+    Bad arguments raise :class:`MoEEpInputError`; a machine without an sm_90 GPU raises :class:`MoEEpConfigError`.
+    """
+    check_gluon_nvfp4_prefill(x, w, offsets, row_scale, block_t, num_programs)
+    return _run(x, w, offsets, row_scale, out, block_t, num_programs, False)
+
+
+def gluon_nvfp4_prefill_swiglu_grouped_gemm(x: torch.Tensor, w13: NvFp4Tensor, offsets: torch.Tensor, *,
+                                            out: torch.Tensor | None = None, block_t: int | None = None,
+                                            num_programs: int | None = None) -> torch.Tensor:
+    """GEMM1 of an expert MLP with NVFP4 weights on sm_90a (H100 / H200): ``h = silu(x w_gate[g]^T) * (x w_up[g]^T)``
+    per expert, in fp32, bf16 out (the tl kernel's ``grouped_gemm(..., swiglu=True)``).
+
+    ``x``: bf16 ``[M, K]`` sorted by expert. ``w13``: :class:`NvFp4Tensor` ``[G, 2I, K]``, gate rows then up rows,
+    linear scales, a global scale per expert or one; K a multiple of 64, I a multiple of 8. ``offsets`` as for
+    :func:`gluon_nvfp4_prefill_grouped_gemm`. Returns bf16 ``[M, I]``: ``out`` or a new ``torch.empty``; rows
+    outside every expert are not written. ``block_t``, ``num_programs``: as there. Bad arguments raise
+    :class:`MoEEpInputError`; a machine without an sm_90 GPU raises :class:`MoEEpConfigError`.
+    """
+    check_gluon_nvfp4_prefill(x, w13, offsets, None, block_t, num_programs, swiglu=True)
+    return _run(x, w13, offsets, None, out, block_t, num_programs, True)
+
+
+def compile_signature(block_t: int, has_rs: bool = True, tma_store: bool = True,
+                      swiglu: bool = False) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_prefill_kernel` for a token tile and form
+    (``swiglu``: GEMM1's, no row scale), as a launch builds it, for a GPU-less ``triton.compile`` (compile checks)."""
+    lay = shared_layouts(block_t, swiglu)
+    consts = dict(STAGES=ring_stages(block_t), HAS_RS=has_rs and not swiglu, TMA_STORE=tma_store, SWIGLU=swiglu)
+    box = ", ".join(map(str, code_box(swiglu)))
+    sig = {"x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
+           "q_desc": f"tensordesc<i32[{box}],{lay['codes']!r}>",
+           "ws_ptr": "*i32", "gs_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": "*bf16", "offs_ptr": "*i32",
+           "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
+           "o_desc": (f"tensordesc<bf16[{block_t}, {wg_columns(swiglu)}],{lay['out']!r}>" if tma_store
+                      else "*bf16"),
+           **{name: "constexpr" for name in consts}}
+    return sig, consts, dict(num_warps=4)
+
+
+__all__ = ["gluon_nvfp4_prefill_grouped_gemm", "gluon_nvfp4_prefill_swiglu_grouped_gemm", "check_gluon_nvfp4_prefill",
+           "unavailable_reason", "launch", "token_tile", "K_MULTIPLE", "TOKEN_TILES"]
