@@ -9,6 +9,8 @@
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it; with
 #       FP8_VARIANTS=GEMM1,GEMM2 through those Gluon variants instead of the defaults),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
+#       nvfp4_prefill (benchmarks/bench_gluon_nvfp4_prefill.py: the Gluon NVFP4-weight prefill GEMM's variants beside
+#       the tl NVFP4 and bf16 paths and torch._grouped_mm, prefill shapes; PREFILL_SHAPES=0,2 some of its shapes),
 #       fp8_gemms (benchmarks/bench_gluon_fp8.py: every Gluon FP8 variant of both forms beside the tl FP8 and bf16
 #       kernels, prefill shapes; its two tables printed whole),
 #       layer (bench_layer.py, with its cProfile reports of the eager and the replayed forward),
@@ -55,6 +57,11 @@ for step in "$@"; do
     gluon_bench)
       timeout "$(left)" python3 benchmarks/bench_gluon_nvfp4.py --out "$out/gluon.json" > "$out/gluon_bench.log" 2>&1
       summary gluon_bench $? "$out/gluon_bench.log"; tail -12 "$out/gluon_bench.log" ;;
+    nvfp4_prefill)
+      timeout "$(left)" python3 benchmarks/bench_gluon_nvfp4_prefill.py ${PREFILL_SHAPES:+--shapes "$PREFILL_SHAPES"} \
+        --out "$out/nvfp4_prefill.json" \
+        > "$out/nvfp4_prefill.log" 2>&1
+      summary nvfp4_prefill $? "$out/nvfp4_prefill.log"; tail -22 "$out/nvfp4_prefill.log" ;;
     fp8_gemms)
       timeout "$(left)" python3 benchmarks/bench_gluon_fp8.py --out "$out/gluon_fp8.json" > "$out/fp8_gemms.log" 2>&1
       summary fp8_gemms $? "$out/fp8_gemms.log"; tail -19 "$out/fp8_gemms.log" ;;
