@@ -49,7 +49,11 @@ class GemmPlan:
       sm_90 GPU where ``gluon_fp8.dispatchable``, without a forced config; GEMM2's form with a bf16 output, or GEMM1's
       with SwiGLU and an FP8 output; at most ``gluon_fp8.MAX_EXPERTS`` experts. ``config`` is ``{"VARIANT": name,
       "BLOCK_M": .., "BLOCK_N": ..}`` of the kernel's default variant, ``config_source`` "variant", ``grid`` the
-      persistent programs, one per SM; ``tma`` and ``persistent`` True).
+      persistent programs, one per SM; ``tma`` and ``persistent`` True), or "gluon-nvfp4" (``gluon_nvfp4_prefill.py``:
+      a ragged call of bf16 x and NVFP4 weights with a bf16 output from ``MOE_EP_GLUON_NVFP4_MIN_M`` tokens per
+      expert on, where ``gluon_nvfp4_prefill.dispatchable`` and ``takes`` the sizes, without a forced config; both
+      forms; the weights never decoded to a copy. ``config`` is ``{"BLOCK_T": .., "BLOCK_N": ..}``, the token tile of
+      the bucket and the tile's output columns; the rest as for "gluon-fp8").
     """
     layout: str
     sizes: tuple
