@@ -15,9 +15,8 @@ variable                      field                   values
                                                       this bucket on, ragged FP8 GEMMs run the Gluon fast path where it
                                                       is verified (``grouped_gemm/gluon_fp8.py``)
 ``MOE_EP_GLUON_NVFP4_MIN_M``  ``gluon_nvfp4_min_m``   a positive int (tokens per expert), or off: from this bucket on,
-                                                      ragged GEMMs of bf16 x and NVFP4 weights run the Gluon prefill
-                                                      path where it is verified
-                                                      (``grouped_gemm/gluon_nvfp4_prefill.py``)
+                                                      ragged GEMMs of NVFP4 weights run the Gluon prefill GEMM where
+                                                      it is verified (``grouped_gemm/gluon_nvfp4_prefill.py``)
 ``MOE_EP_CONFIG_DIR``         ``config_dir``          a folder searched for tuned configs first (``None``: unset)
 ``MOE_EP_FORWARD_PLAN``       ``forward_plan``        bool: a layer at world size 1 over the portable transport replays
                                                       its eager forward's recorded launches (``forward_plan.py``);

@@ -216,11 +216,11 @@ def _mlp_weights(dev, G=3, H=256, I=128):
 
 
 def test_dispatcher_takes_the_gluon_path_for_ragged_nvfp4_weight_prefill(nvfp4_dispatchable):
-    """Where ``gluon_nvfp4_prefill.dispatchable``: ragged calls of bf16 x and NVFP4 weights from
+    """Where ``gluon_nvfp4_prefill.dispatchable``: ragged calls of NVFP4 weights from
     ``MOE_EP_GLUON_NVFP4_MIN_M`` tokens per expert on plan the "gluon-nvfp4" path in both forms (GEMM1 SwiGLU, GEMM2
-    with routing weights), with the bucket's token tile, the weights as they are and one program per SM; everything
-    else keeps the tl kernel: below the bucket, the option off, masked, NVFP4 x, an fp32 output, a forced config, K
-    not a multiple of 64, GEMM1's I not a multiple of 8."""
+    with routing weights), with the bucket's token tile, the weights as they are and one program per SM, NVFP4 x
+    decoded first; everything else keeps the tl kernel: below the bucket, the option off, masked, an fp32 output, a
+    forced config, K not a multiple of 64, GEMM1's I not a multiple of 8."""
     dev = kernel_device()
     w13, w2 = _mlp_weights(dev)
     offsets = torch.tensor([0, 140, 140, 271], dtype=torch.int32, device=dev)
@@ -237,8 +237,8 @@ def test_dispatcher_takes_the_gluon_path_for_ragged_nvfp4_weight_prefill(nvfp4_d
         assert plan_grouped_gemm(x, w13, offsets=offsets, swiglu=True, m_hint=16).path == "tl"  # below the bucket
         assert plan_grouped_gemm(x[:270].reshape(3, 90, 256), w13, counts=torch.tensor([5, 0, 7], device=dev),
                                  swiglu=True, m_hint=512).path == "tl"  # masked
-        xq = quantize_nvfp4(x.float())
-        assert plan_grouped_gemm(xq, w13, offsets=offsets, swiglu=True, m_hint=512).path == "tl"  # NVFP4 x
+        xq = plan_grouped_gemm(quantize_nvfp4(x.float()), w13, offsets=offsets, swiglu=True, m_hint=512)
+        assert (xq.path, xq.x_decoded, xq.w_decoded) == ("gluon-nvfp4", True, False)
         fp32 = plan_grouped_gemm(h, w2, offsets=offsets, out=torch.empty(272, 256, device=dev), m_hint=512)
         assert (fp32.path, fp32.out_format) == ("tl", "fp32")
         forced = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SWAP_AB=False, GROUP_M=8, TMA=False, num_warps=4,
@@ -268,19 +268,22 @@ def test_dispatchable_needs_a_checked_triton(monkeypatch):
     assert not gp.dispatchable() and gp.not_dispatchable_reason() == "needs an sm_90 GPU"
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_expert_mlp_launches_the_gluon_path_with_its_parts(nvfp4_dispatchable, monkeypatch, index_dtype):
-    """The launcher's "gluon-nvfp4" branch, with a reference stand-in for the kernel: GEMM1 gets x, w13's codes and
-    scales, its global scales one per expert and SwiGLU; GEMM2 gets GEMM1's bf16 output, w2 and the routing weights;
-    int64 offsets reach the kernel as int32; the result is the reference MLP's."""
+@pytest.mark.parametrize("index_dtype,x_fmt", [(torch.int32, "bf16"), (torch.int64, "bf16"), (torch.int32, "nvfp4")])
+def test_expert_mlp_launches_the_gluon_path_with_its_parts(nvfp4_dispatchable, monkeypatch, index_dtype, x_fmt):
+    """The launcher's "gluon-nvfp4" branch, with a reference stand-in for the kernel (its row factor applied before
+    SwiGLU, as the kernel applies it): GEMM1 gets x, w13's codes and scales, its global scales one per expert and
+    SwiGLU; GEMM2 gets GEMM1's bf16 output, w2 and the routing weights; int64 offsets reach the kernel as int32; NVFP4 x
+    (a global scale per row, as received tokens carry) arrives decoded, its global scales as GEMM1's row factor; the
+    result is the reference MLP's on the dequantized operands."""
     from moe_ep.reference import expert_mlp_ref
     dev = kernel_device()
     calls = []
 
     def launch(x, codes, scales, gs, offsets, out, row_scale, block_t, num_programs, swiglu=False):
-        calls.append(dict(offsets=offsets, swiglu=swiglu, block_t=block_t, gs=gs, row_scale=row_scale))
+        calls.append(dict(offsets=offsets, swiglu=swiglu, block_t=block_t, gs=gs, row_scale=row_scale, x=x))
         w = dequantize_nvfp4_ref(codes, scales.view(torch.float8_e4m3fn), gs)
-        y = grouped_gemm_ref(x.float(), w, offsets=offsets, swiglu=swiglu, row_scale=row_scale)
+        xf = x.float() if row_scale is None else x.float() * row_scale[:, None]
+        y = grouped_gemm_ref(xf, w, offsets=offsets, swiglu=swiglu)
         lo, hi = int(offsets[0]), int(offsets[-1])
         out[lo:hi] = y[lo:hi].to(out.dtype)
 
@@ -290,11 +293,50 @@ def test_expert_mlp_launches_the_gluon_path_with_its_parts(nvfp4_dispatchable, m
     x = torch.randn(272, 256, generator=gen).bfloat16().to(dev)
     rs = (torch.rand(272, generator=gen) + 0.5).to(dev)
     offsets = torch.tensor([0, 140, 140, 271], dtype=index_dtype, device=dev)
+    x_in, x_ref = x, x.float()
+    if x_fmt == "nvfp4":
+        x_in = quantize_nvfp4(x.float(), torch.rand(272, generator=gen).to(dev) * 100 + 50)  # a scale per row
+        x_ref = dequantize_nvfp4_ref(x_in.data, x_in.scales, x_in.global_scale[:, None])
     with options.override(gluon_nvfp4_min_m=64):
-        got = expert_mlp(x, w13, w2, offsets=offsets, row_scale=rs, m_hint=140)
-    assert [c["swiglu"] for c in calls] == [True, False] and calls[0]["row_scale"] is None
+        got = expert_mlp(x_in, w13, w2, offsets=offsets, row_scale=rs, m_hint=140)
+    assert [c["swiglu"] for c in calls] == [True, False]
     assert all(c["offsets"].dtype == torch.int32 and c["gs"].shape == (3, ) for c in calls)
-    assert calls[1]["row_scale"] is rs or torch.equal(calls[1]["row_scale"], rs)
-    want = expert_mlp_ref(x.float(), dequantize_nvfp4_ref(w13.data, w13.scales, w13.global_scale),
+    assert calls[0]["x"].dtype == torch.bfloat16 and torch.equal(calls[1]["row_scale"], rs)
+    if x_fmt == "nvfp4":
+        assert torch.allclose(calls[0]["row_scale"], 256.0 / x_in.global_scale.float())
+    else:
+        assert calls[0]["row_scale"] is None and calls[0]["x"] is x
+    want = expert_mlp_ref(x_ref, dequantize_nvfp4_ref(w13.data, w13.scales, w13.global_scale),
                           dequantize_nvfp4_ref(w2.data, w2.scales, w2.global_scale), offsets=offsets, row_scale=rs)
     assert ((got[:271].float() - want[:271]).norm() / want[:271].norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("x_fmt", ["bf16", "nvfp4"])
+def test_expert_mlp_through_the_gluon_path_matches_the_tl_path(nvfp4_dispatchable, x_fmt):
+    """The whole expert MLP through the dispatcher's "gluon-nvfp4" path (both GEMMs on the kernel, routing weights,
+    an empty expert, a row of no expert; NVFP4 x with a global scale per row) against the same MLP on the tl path and
+    the reference on the dequantized operands."""
+    from moe_ep.reference import expert_mlp_ref
+    from moe_ep.testing.properties import MLP_TOL, assert_rel_close
+    dev = torch.device("cuda")
+    w13, w2 = _mlp_weights(dev, G=3, H=512, I=256)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(400, 512, generator=gen).bfloat16().to(dev)
+    rs = (torch.rand(400, generator=gen) + 0.5).to(dev)
+    offsets = torch.tensor([0, 260, 260, 399], dtype=torch.int32, device=dev)
+    x_in, x_ref = x, x.float()
+    if x_fmt == "nvfp4":
+        x_in = quantize_nvfp4(x.float(), torch.rand(400, generator=gen).to(dev) * 100 + 50)
+        x_ref = dequantize_nvfp4_ref(x_in.data, x_in.scales, x_in.global_scale[:, None])
+    with options.override(gluon_nvfp4_min_m=64):
+        got, plans = expert_mlp(x_in, w13, w2, offsets=offsets, row_scale=rs, m_hint=200, return_plan=True)
+    assert [p.path for p in plans] == ["gluon-nvfp4", "gluon-nvfp4"]
+    with options.override(gluon_nvfp4_min_m="off"):
+        tl_out = expert_mlp(x_in, w13, w2, offsets=offsets, row_scale=rs, m_hint=200)
+    want = expert_mlp_ref(x_ref, dequantize_nvfp4_ref(w13.data, w13.scales, w13.global_scale),
+                          dequantize_nvfp4_ref(w2.data, w2.scales, w2.global_scale), offsets=offsets, row_scale=rs)
+    valid = torch.arange(400) < 399
+    assert_rel_close(got, want, valid, MLP_TOL, "expert_mlp through gluon-nvfp4")
+    assert_rel_close(got, tl_out, valid, MLP_TOL, "expert_mlp through gluon-nvfp4 against the tl path")

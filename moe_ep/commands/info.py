@@ -67,7 +67,7 @@ def fast_paths() -> list[dict]:
     return [gluon("gluon-fp8", gluon_fp8, "gluon_fp8_min_m", options.DEFAULT_GLUON_FP8_MIN_M,
                   "ragged FP8 GEMMs at prefill sizes (Hopper, sm_90)"),
             gluon("gluon-nvfp4", gluon_nvfp4_prefill, "gluon_nvfp4_min_m", options.DEFAULT_GLUON_NVFP4_MIN_M,
-                  "ragged GEMMs of bf16 x and NVFP4 weights at prefill sizes (Hopper, sm_90)"),
+                  "ragged GEMMs of NVFP4 weights at prefill sizes (Hopper, sm_90)"),
             dict(name="sm100-fp4", calls="W4A4: NVFP4 x and weights (Blackwell, capability 10.x)",
                  taken=sm100_fp4.available(), reason=sm100_fp4.unavailable_reason() or "every W4A4 call")]
 

@@ -265,11 +265,20 @@ def _launch_gluon_fp8(c: _Call, p: GemmPlan) -> None:
 
 def _launch_gluon_nvfp4(c: _Call, p: GemmPlan) -> None:
     """Plan ``p``'s launch on the Gluon NVFP4-weight prefill GEMM (``gluon_nvfp4_prefill.py``): int32 offsets, as
-    for :func:`_launch_gluon_fp8`, and the weights' global scale one per expert."""
+    for :func:`_launch_gluon_fp8`, and the weights' global scale one per expert. NVFP4 x is decoded to its bf16 copy
+    first, as for the tl kernel, and its global scales (one, or one per row) enter as the kernel's row factor,
+    ``256 / xgs`` (times the routing weight, where there is one), applied before SwiGLU as the tl kernel applies it."""
     from . import gluon_nvfp4_prefill
     offsets = c.idx if c.idx.dtype is torch.int32 else c.idx.clamp(0, c.S).to(torch.int32)
     gs = c.wgs.reshape(-1).float().expand(c.G).contiguous()
-    gluon_nvfp4_prefill.launch(c.xd, c.wd, c.ws, gs, offsets, c.out, c.row_scale, p.config["BLOCK_T"], p.grid,
+    xd, row_factor = c.xd, c.row_scale
+    if p.x_decoded:
+        xd = decode_nvfp4(c.xd, c.xs, c.xshape)
+        row_factor = (256.0 / c.xgs.reshape(-1).float()).expand(c.S)
+        if c.row_scale is not None:
+            row_factor = row_factor * c.row_scale
+        row_factor = row_factor.contiguous()
+    gluon_nvfp4_prefill.launch(xd, c.wd, c.ws, gs, offsets, c.out, row_factor, p.config["BLOCK_T"], p.grid,
                                swiglu=c.swiglu)
 
 
