@@ -136,6 +136,15 @@ def test_decode_layout_is_the_wgmma_a_operand_layout():
     W = gp.WORD_LAYOUT
     assert W.lane_bases[:2] == [[0, 0], [0, 0]] and W.lane_bases[2:] == [[b[0], 0] for b in L.lane_bases[2:]]
     assert W.reg_bases == [[8, 0], [0, 1], [0, 2], [0, 4]] and W.warp_bases == [[16, 0], [32, 0]]
+    # GEMM1: a warpgroup's 32 gate rows and 32 up rows, each loaded in HALF_WORD_LAYOUT and joined (u, the join's
+    # register bit, first), are WORD_LAYOUT's words when decode row 16w + 8u + r is half-row 8w + r's gate / up row
+    H = gp.HALF_WORD_LAYOUT
+
+    def rho(b):
+        row, word = b
+        return [row // 8 * 16 + row % 8, word]
+    assert [[8, 0]] + [rho(b) for b in H.reg_bases] == W.reg_bases
+    assert [rho(b) for b in H.lane_bases] == W.lane_bases and [rho(b) for b in H.warp_bases] == W.warp_bases
 
 
 @pytest.mark.gpu

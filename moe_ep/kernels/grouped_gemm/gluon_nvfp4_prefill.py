@@ -30,8 +30,9 @@ holds which value; the conversion to wgmma's operand layout moves no data.
 
 GEMM1's form (``SWIGLU``, :func:`gluon_nvfp4_prefill_swiglu_grouped_gemm`): a tile is 64 output channels, a math
 warpgroup's 64 rows 4 groups of 8 gate rows over their 8 up rows, so that a thread's two accumulator rows (r and
-r + 8) are one channel's gate and up. The producer's box over w13's code words seen as ``[G, I/8, 2, 8, K/8]`` (strides
-reordered, no copy) brings them in that order; the scale bytes are read at the same rows.
+r + 8) are one channel's gate and up. The producer brings a slot's 64 gate rows and their 64 up rows as two boxes; a
+thread loads its channel's gate words and up words and joins them: the interleave is a relabeling of its registers.
+The scale bytes are read at the same rows.
 
 Every partition walks the persistent tile order of ``gluon_fp8``: experts in order, and within expert g its token
 tiles fastest (``m_tiles(g) * n_tiles``), program p taking tiles p, p + P, ... Token tiles may read rows past their
@@ -101,6 +102,11 @@ WORD_LAYOUT = gl.DistributedLinearLayout(
     reg_bases=[[8, 0], [0, 1], [0, 2], [0, 4]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_ROWS, BLOCK_K // 8])
 
+# GEMM1's half of that: a warpgroup's 32 gate (or up) rows [32, 8], rows 8w + r in lane bits and the warp
+HALF_WORD_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[WG_ROWS // 2, BLOCK_K // 8])
+
 
 def token_tile(tokens_per_expert: int) -> int:
     """The BLOCK_T for an expected ``tokens_per_expert``: 256 from 256 tokens on, else 128."""
@@ -117,10 +123,10 @@ def ring_stages(block_t: int) -> int:
 
 def shared_layouts(block_t: int, swiglu: bool = False) -> dict:
     """The NVMMA shared layouts of the x and code ring slots and the staging tile (also the compile check's
-    descriptor types); ``swiglu``: GEMM1's (5-D code boxes, 32 output columns a math warpgroup)."""
+    descriptor types); ``swiglu``: GEMM1's (32 output columns a math warpgroup)."""
     return {"x": gl.NVMMASharedLayout.get_default_for([block_t, BLOCK_K], gl.bfloat16),
             # unswizzled: a thread reads its two rows' 32 bytes whole
-            "codes": gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=5 if swiglu else 2),
+            "codes": gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
             "out": gl.NVMMASharedLayout.get_default_for([block_t, wg_columns(swiglu)], gl.bfloat16)}
 
 
@@ -131,17 +137,17 @@ def wg_columns(swiglu: bool) -> int:
 
 
 def code_box(swiglu: bool) -> list:
-    """A ring slot's TMA box of code words: 128 rows of ``[G * N, K/8]``, or with ``swiglu`` 8 groups of 8 gate rows
-    and their 8 up rows of ``[G, I/8, 2, 8, K/8]``."""
-    return [1, 8, 2, 8, BLOCK_K // 8] if swiglu else [BLOCK_N, BLOCK_K // 8]
+    """The TMA box of code words over ``[G * R, K/8]``: a ring slot's 128 rows, or with ``swiglu`` half of them (its
+    64 gate rows, then its 64 up rows)."""
+    return [BLOCK_N // 2 if swiglu else BLOCK_N, BLOCK_K // 8]
 
 
 @gluon.jit
 def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, STAGES: gl.constexpr,
               SWIGLU: gl.constexpr):
     """1 warp: for every tile of this program, fill ring slot i % STAGES with K step i's x tile and code words once
-    both math warpgroups freed it. SWIGLU: ``q_desc`` is over w13's words seen as ``[G, I/8, 2, 8, K/8]`` (8 gate
-    rows, then their 8 up rows), and a slot's 128 rows are 8 such groups: 64 output channels."""
+    both math warpgroups freed it. SWIGLU: a slot's 128 rows are the tile's 64 gate rows over their 64 up rows (two
+    boxes of w13's ``[G * 2I, K/8]`` words): 64 output channels."""
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     TILE_N: gl.constexpr = 64 if SWIGLU else 128  # output columns a tile
@@ -167,7 +173,9 @@ def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G
                 mbarrier.expect(bar, nbytes)
                 _tma_load(x_desc, [row0, ks * BK], bar, x_ring.index(slot))
                 if SWIGLU:
-                    _tma_load(q_desc, [g, n0 // 8, 0, 0, ks * (BK // 8)], bar, q_ring.index(slot))
+                    gate = g * 2 * N + n0  # row of w13's [G * 2I, K/8] words
+                    _tma_load(q_desc, [gate, ks * (BK // 8)], bar, q_ring.index(slot).slice(0, 64, dim=0))
+                    _tma_load(q_desc, [gate + N, ks * (BK // 8)], bar, q_ring.index(slot).slice(64, 64, dim=0))
                 else:
                     _tma_load(q_desc, [g * N + n0, ks * (BK // 8)], bar, q_ring.index(slot))
                 i += 1
@@ -254,10 +262,15 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
             for ks in range(k_steps):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                words = q_ring.index(slot)
                 if SWIGLU:
-                    words = words.reshape([2 * _WG_ROWS, BK // 8])
-                words = words.slice(WG * _WG_ROWS, _WG_ROWS, dim=0).load(WORD_LAYOUT)
+                    # the warpgroup's 32 channels' gate rows and up rows, each [32, 8], joined so that decode row
+                    # 16w + 8u + r is channel 8w + r's gate (u = 0) or up (u = 1) row: WORD_LAYOUT's registers
+                    gate = q_ring.index(slot).slice(WG * WG_N, WG_N, dim=0).load(HALF_WORD_LAYOUT)
+                    up = q_ring.index(slot).slice(2 * WG_N + WG * WG_N, WG_N, dim=0).load(HALF_WORD_LAYOUT)
+                    words = gl.reshape(gl.join(gate, up), [4, 8, BK // 8, 2])  # [w, r, word, u]
+                    words = gl.reshape(gl.permute(words, (0, 3, 1, 2)), [_WG_ROWS, BK // 8])
+                else:
+                    words = q_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS, dim=0).load(WORD_LAYOUT)
                 words = gl.convert_layout(gl.reshape(words, [_WG_ROWS, 4, 2]), word_layout)
                 a = _decode_a(words, sw, a_layout)
                 acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, use_acc=ks > 0, is_async=True)
@@ -310,13 +323,9 @@ def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr,
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     WG_N: gl.constexpr = 32 if SWIGLU else 64  # output columns a math warpgroup
-    q_box: gl.constexpr = q_desc.block_type.shape
-    gl.static_assert(q_box[len(q_box) - 1] * 8 == BK, "a slot's code words cover its x tile's K")
+    gl.static_assert(q_desc.block_type.shape[1] * 8 == BK, "a slot's code words cover its x tile's K")
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_desc.layout)
-    if SWIGLU:  # [1, 8, 2, 8, BK / 8] a slot: 8 groups of 8 gate rows over their 8 up rows
-        q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 8, 2, 8, BK // 8], q_desc.layout)
-    else:
-        q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 2 * _WG_ROWS, BK // 8], q_desc.layout)
+    q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 2 * _WG_ROWS, BK // 8], q_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # a staging tile a math warpgroup (the TMA store's box layout)
@@ -436,9 +445,7 @@ def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch
     x = x.contiguous()
     if x.data_ptr() % 16:  # TMA reads from a 16-byte aligned base (a row slice of a larger tensor may not be)
         x = x.clone()
-    words = codes.contiguous().view(torch.int32)
-    # GEMM1: each 8 gate rows, then their 8 up rows (strides of w13's [G, 2, I/8, 8, K/8] reordered, not copied)
-    words = words.view(G, 2, N // 8, 8, K // 8).transpose(1, 2) if swiglu else words.view(G * R, K // 8)
+    words = codes.contiguous().view(torch.int32).view(G * R, K // 8)
     sw = scales.contiguous().view(torch.uint8).view(torch.int32).view(G * R, K // BLOCK_K)
     rs = gs if row_scale is None else row_scale.contiguous()  # unread without HAS_RS
     tma_store = tma_storable(out)
