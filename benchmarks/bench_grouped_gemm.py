@@ -17,7 +17,8 @@ file (``DIR/<device>.json``) that later runs load via ``MOE_EP_CONFIG_DIR``.
 From the repository root (or with moe-ep installed, without ``PYTHONPATH``):
 
     PYTHONPATH=$PWD python3 benchmarks/bench_grouped_gemm.py --out results.json [--quick] [--rows-from N] \
-        [--gluon-fp8-min-m N|off] [--gluon-fp8-variants GEMM1,GEMM2] [--write-configs DIR] [--weights nvfp4,fp8]
+        [--gluon-fp8-min-m N|off] [--gluon-fp8-variants GEMM1,GEMM2] [--gluon-nvfp4-min-m N|off] \
+        [--gluon-nvfp4-unverified] [--write-configs DIR] [--weights nvfp4,fp8]
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantiz
 from moe_ep import device_facts, options  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4  # noqa: E402
 from moe_ep.kernels.fp8 import FP8_BLOCK, Fp8Tensor, dequantize_fp8, quantize_fp8  # noqa: E402
-from moe_ep.kernels.grouped_gemm import config_space, gluon_fp8  # noqa: E402
+from moe_ep.kernels.grouped_gemm import config_space, gluon_fp8, gluon_nvfp4_prefill  # noqa: E402
+from moe_ep.triton_runtime import triton_minor  # noqa: E402
 from moe_ep.commands.common import routed_offsets, uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 
@@ -140,9 +142,16 @@ def run_row(name, E, H, I, tpe, table, formats=("nvfp4",)):
     q13 = quantize_nvfp4(w13, nvfp4_global_scale(w13, per_slice=True))
     q2 = quantize_nvfp4(w2, nvfp4_global_scale(w2, per_slice=True))
     row["byte_floor_nvfp4_us"] = elems * (0.5 + 1 / 16) / BW * 1e6
-    row["configs_nvfp4"] = [short(c) for c in warm(x, q13, q2, dict(offsets=offs), tpe, table)]
+    plans = warm(x, q13, q2, dict(offsets=offs), tpe, table)
+    row["configs_nvfp4"] = [short(c) for c in plans]
     ours4 = expert_mlp(x, q13, q2, offsets=offs)
     row["ours_nvfp4_us"] = time_graph(lambda: expert_mlp(x, q13, q2, offsets=offs)) * 1e6
+    if any(p.path != "tl" for p in plans):  # the tl paths beside the fast path, same operands (its peer)
+        with options.override(gluon_nvfp4_min_m="off"):
+            row["configs_nvfp4_tl"] = [short(c) for c in warm(x, q13, q2, dict(offsets=offs), tpe, table)]
+            tl = expert_mlp(x, q13, q2, offsets=offs)
+            row["ours_nvfp4_tl_us"] = time_graph(lambda: expert_mlp(x, q13, q2, offsets=offs)) * 1e6
+        row["rel_diff_nvfp4_tl"] = rel_err(ours4, tl)
     if routed is not None:
         row["ours_nvfp4_routed_us"] = time_graph(lambda: expert_mlp(x, q13, q2, offsets=routed)) * 1e6
     # NVFP4 x too (one global scale per row, as received tokens carry): decoded to a bf16 copy before GEMM1
@@ -233,6 +242,12 @@ def main():
                     help="the Gluon FP8 variants the dispatcher takes in this run, GEMM1's (of "
                     "gluon_fp8.SWIGLU_VARIANTS) and GEMM2's (of gluon_fp8.VARIANTS), instead of its defaults: to time "
                     "a variant through the whole MLP before it is made the default")
+    ap.add_argument("--gluon-nvfp4-min-m", default=None, metavar="N|off",
+                    help="the MOE_EP_GLUON_NVFP4_MIN_M option for this run: from this bucket on the NVFP4-weight rows "
+                    "take the Gluon prefill GEMM where it is verified, timed beside the tl paths ('tl' columns)")
+    ap.add_argument("--gluon-nvfp4-unverified", action="store_true",
+                    help="let the dispatcher take the Gluon NVFP4 prefill GEMM under this Triton before its GPU tests "
+                    "have passed here (gluon_nvfp4_prefill.CHECKED_TRITONS, for this run): to time it through the MLP")
     ap.add_argument("--write-configs", default=None, help="folder to write <device>.json tuned configs into")
     ap.add_argument("--weights", default="nvfp4", help="quantized weight formats timed beside bf16, comma-separated: "
                     f"{', '.join(WEIGHT_FORMATS)} (default nvfp4)")
@@ -248,6 +263,10 @@ def main():
         # (read by the dispatcher's plan of each call; no plan is made before this)
         gluon_fp8.DEFAULT_SWIGLU_VARIANT, gluon_fp8.DEFAULT_VARIANT = pinned
         print(f"Gluon FP8 variants: GEMM1 {pinned[0]}, GEMM2 {pinned[1]}", flush=True)
+    if args.gluon_nvfp4_unverified:
+        # (read by the dispatcher's plan of each call; no plan is made before this)
+        gluon_nvfp4_prefill.CHECKED_TRITONS = (triton_minor(), )
+        print(f"Gluon NVFP4 prefill GEMM taken under Triton {triton.__version__} before its GPU tests", flush=True)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     dev_name = torch.cuda.get_device_name()
@@ -257,6 +276,8 @@ def main():
     run_options = {"autotune_quick": True} if args.quick else {}  # (quick: a bounded search)
     if args.gluon_fp8_min_m is not None:
         run_options["gluon_fp8_min_m"] = args.gluon_fp8_min_m
+    if args.gluon_nvfp4_min_m is not None:
+        run_options["gluon_nvfp4_min_m"] = args.gluon_nvfp4_min_m
     with options.override(**run_options):
         for name, (E, H, I, tpes) in MODELS.items():
             for tpe in tpes:
@@ -284,7 +305,7 @@ def main():
 
     print(f"\n{'model':16} {'tok/e':>5} {'ours bf16':>9} {'unchain':>8} {'masked':>8} {'torch':>8} {'routed':>8} "
           f"{'torch rt':>8} {'fp4 rt':>8} {'read':>8} "
-          f"{'byteflr':>8} {'flopflr':>8} {'ours fp4':>8} {'fp4flr':>8} {'x+w fp4':>8} {'x+w msk':>8} "
+          f"{'byteflr':>8} {'flopflr':>8} {'ours fp4':>8} {'fp4 tl':>8} {'fp4flr':>8} {'x+w fp4':>8} {'x+w msk':>8} "
           f"{'err bf16':>8} {'err fp4':>8} {'err x+w':>8}  "
           "configs (gemm1, gemm2; bf16 | fp4)")
     for r in rows:
@@ -294,7 +315,8 @@ def main():
               f"{f(r.get('ours_bf16_routed_us')):>8} {f(r.get('torch_routed_us')):>8} "
               f"{f(r.get('ours_nvfp4_routed_us')):>8} {f(r['read_weights_us']):>8} "
               f"{f(r['byte_floor_us']):>8} "
-              f"{f(r['flop_floor_us']):>8} {f(r.get('ours_nvfp4_us')):>8} {f(r.get('byte_floor_nvfp4_us')):>8} "
+              f"{f(r['flop_floor_us']):>8} {f(r.get('ours_nvfp4_us')):>8} {f(r.get('ours_nvfp4_tl_us')):>8} "
+              f"{f(r.get('byte_floor_nvfp4_us')):>8} "
               f"{f(r.get('ours_nvfp4_x_us')):>8} {f(r.get('ours_nvfp4_x_masked_us')):>8} "
               f"{r['rel_err_bf16']:8.1e} {r.get('rel_err_nvfp4', float('nan')):8.1e} "
               f"{r.get('rel_err_nvfp4_x', float('nan')):8.1e}  "
@@ -303,7 +325,8 @@ def main():
           "MOE_EP_GEMM_CHAIN=off (decode rows); routed / torch rt / fp4 rt: rows up to 128 tokens per expert "
           "spread over the experts as routing spreads them (ours bf16, torch, ours NVFP4 weights); read: the bf16 "
           "weights streamed once (a plain Triton read kernel, best of 3 tilings); x+w fp4 / x+w msk: NVFP4 x (per-row "
-          "global scales; masked: one) and NVFP4 weights, ragged / masked; "
+          "global scales; masked: one) and NVFP4 weights, ragged / masked; fp4 tl: ours fp4 on the tl paths where "
+          "the plan took a fast path (the Gluon NVFP4 prefill GEMM); "
           "floors: weight bytes / 4.8 TB/s, FLOPs / 795 TFLOP/s")
 
 

@@ -8,6 +8,9 @@
 #       expression whole), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it; with
 #       FP8_VARIANTS=GEMM1,GEMM2 through those Gluon variants instead of the defaults),
+#       nvfp4_bench (benchmarks/bench_grouped_gemm.py --weights nvfp4 --quick, the rows from 64 tokens per expert
+#       through the dispatcher's Gluon NVFP4 prefill path from there, taken before its tests pass here
+#       (--gluon-nvfp4-unverified), the tl paths beside it),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
 #       nvfp4_prefill (benchmarks/bench_gluon_nvfp4_prefill.py: the Gluon NVFP4-weight prefill GEMM's variants beside
 #       the tl NVFP4 and bf16 paths and torch._grouped_mm, prefill shapes; PREFILL_SHAPES=0,2 some of its shapes),
@@ -54,6 +57,10 @@ for step in "$@"; do
         --gluon-fp8-min-m 128 ${FP8_VARIANTS:+--gluon-fp8-variants "$FP8_VARIANTS"} --out "$out/fp8.json" \
         > "$out/fp8_bench.log" 2>&1
       summary fp8_bench $? "$out/fp8_bench.log"; tail -12 "$out/fp8_bench.log" ;;
+    nvfp4_bench)
+      timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights nvfp4 --quick --rows-from 64 \
+        --gluon-nvfp4-min-m 64 --gluon-nvfp4-unverified --out "$out/nvfp4.json" > "$out/nvfp4_bench.log" 2>&1
+      summary nvfp4_bench $? "$out/nvfp4_bench.log"; tail -14 "$out/nvfp4_bench.log" ;;
     gluon_bench)
       timeout "$(left)" python3 benchmarks/bench_gluon_nvfp4.py --out "$out/gluon.json" > "$out/gluon_bench.log" 2>&1
       summary gluon_bench $? "$out/gluon_bench.log"; tail -12 "$out/gluon_bench.log" ;;
