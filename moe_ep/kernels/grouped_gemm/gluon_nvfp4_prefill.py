@@ -151,7 +151,8 @@ def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     TILE_N: gl.constexpr = 64 if SWIGLU else 128  # output columns a tile
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    # a slot's bytes: the x tile and 128 rows of code words (SWIGLU: two boxes of 64)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes * (2 if SWIGLU else 1)
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     k_steps = gl.cdiv(K, BK)
