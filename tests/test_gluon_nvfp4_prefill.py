@@ -362,7 +362,7 @@ for fn, sig, const, opts in gluon_nvfp4_prefill():
     k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
     block_t = int(re.search(r"bf16\[(\d+), 64\]", sig["x_desc"]).group(1))
     want = block_t * gp.BLOCK_K * 2 + gp.BLOCK_N * gp.BLOCK_K // 2  # the x tile and 128 rows' code words
-    got = {int(n) for n in re.findall(r"expect_tx\.shared\.b64 _, \[%r\d+\], (\d+);", k.asm["ptx"])}
+    got = {int(n) for n in re.findall(r"expect_tx\.shared(?:::cta)?\.b64 _, \[%r\d+\], (\d+);", k.asm["ptx"])}
     assert got == {want}, (const, got, want)
 print("slot bytes ok")
 """
