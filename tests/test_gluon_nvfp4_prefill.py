@@ -262,11 +262,11 @@ def test_dispatcher_takes_the_gluon_path_for_ragged_nvfp4_weight_prefill(nvfp4_d
 
 
 def test_dispatchable_needs_a_checked_triton(monkeypatch):
-    """``dispatchable`` is ``available`` under a Triton of ``CHECKED_TRITONS`` only (none before the kernel's GPU
-    tests have passed), and ``not_dispatchable_reason`` says why not."""
+    """``dispatchable`` is ``available`` under a Triton of ``CHECKED_TRITONS`` only (none until the kernel has been
+    timed against the tl paths), and ``not_dispatchable_reason`` says why not."""
     monkeypatch.setattr(gp, "unavailable_reason", lambda: None)
     monkeypatch.setattr(gp, "CHECKED_TRITONS", ())
-    assert not gp.dispatchable() and "not yet verified" in gp.not_dispatchable_reason()
+    assert not gp.dispatchable() and "not yet taken" in gp.not_dispatchable_reason()
     monkeypatch.setattr(gp, "CHECKED_TRITONS", ("3.6", ))
     for version, want in (("3.6.0", True), ("3.8.0", False), ("3.10.1", False)):
         monkeypatch.setattr(gp.triton, "__version__", version)

@@ -362,8 +362,9 @@ def available() -> bool:
 CHECKED_TRITONS: tuple[str, ...] = ()
 """Triton releases under which both forms passed the GPU property tests (``tests/test_gluon_nvfp4_prefill.py`` on
 sm_90): the grouped-GEMM dispatcher takes this path under these only (:func:`dispatchable`); the entry points run
-under any. None yet: the kernel has not run on a GPU (its first device call runs ``bash tests/run_on_gpu.sh 36
-tests:tests/test_gluon_nvfp4_prefill.py nvfp4_prefill``)."""
+under any. None yet: its tests passed on an H100 under Triton 3.6 (2026-12-07), but it has not been timed, and the
+dispatcher takes it only once a timing against the tl paths has picked the bucket it pays from
+(``bash tests/run_on_gpu.sh 36 nvfp4_prefill nvfp4_bench``)."""
 
 
 def dispatchable() -> bool:
@@ -377,7 +378,7 @@ def not_dispatchable_reason() -> str | None:
     reason = unavailable_reason()
     if reason is None and triton_minor() not in CHECKED_TRITONS:
         reason = (f"Triton {triton.__version__}: verified under {' / '.join(CHECKED_TRITONS)} only" if CHECKED_TRITONS
-                  else "not yet verified on a GPU (its property tests have not run on sm_90)")
+                  else "not yet taken: correct on an H100 (Triton 3.6), not yet timed against the tl paths")
     return reason
 
 
