@@ -54,7 +54,8 @@ from ... import device_facts
 from ...errors import MoEEpConfigError, check
 from ...triton_runtime import triton_minor
 from ..nvfp4_tensor import NvFp4Tensor
-from .gluon_fp8 import _expert_rows, _first_tile, _tma_load, _tma_store
+from .gluon_fp8 import _expert_rows, _first_tile, _tma_load, _tma_store, tma_storable
+from .gluon_nvfp4 import _cta_barrier
 
 BLOCK_K = 64  # K per ring slot: 4 scale blocks, one int32 of scale bytes per row
 WG_ROWS = 64  # weight rows per math warpgroup: the wgmma M of one warpgroup
@@ -64,9 +65,6 @@ TOKEN_TILES = (128, 256)
 """BLOCK_T choices: wgmma N. 256 for experts of 256 tokens on; 128 keeps more tiles in flight for fewer."""
 MAX_EXPERTS = 1024
 _WG_ROWS = gl.constexpr(WG_ROWS)
-# a barrier of the warpgroup's threads (in a warp-specialized partition, Triton's CTA barrier is the partition's):
-# Gluon's name for it changed (Triton 3.6 ``thread_barrier``, 3.9 ``barrier``)
-_warpgroup_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # A thread's two code words of one K chunk's k 0-7 or 8-15 (row r's: $2, row r + 8's: $4) -> two bf16x2 registers of
 # wgmma's A operand, (k = 2c, 2c + 1) of row r ($0) and of row r + 8 ($1): prmt by $6 (c | (4 + c) << 8) puts byte
@@ -303,12 +301,12 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
             else:
                 # a tile over its expert's end (or an out TMA cannot store into): the rows that are the expert's,
                 # 16 bytes a store
-                _warpgroup_barrier()
+                _cta_barrier()  # (in a warp-specialized partition: the partition's threads)
                 v = o_tile.load(copy_layout)
                 cols = n0 + WG * WG_N + c_cols
                 ptrs = out_ptr + (row0 + c_rows)[:, None].to(gl.int64) * N + cols[None, :]
                 gl.store(ptrs, v, mask=((row0 + c_rows) < end)[:, None] & (cols < N)[None, :])
-                _warpgroup_barrier()
+                _cta_barrier()
         first = last
     if TMA_STORE:
         tma.store_wait(0)  # the staging tile stays live until its last store has read it
@@ -386,13 +384,6 @@ def takes(G: int, N: int, K: int, swiglu: bool) -> bool:
     """Whether a ragged call of these sizes (N: the output's columns, GEMM1's I) is one the kernels have: K a multiple
     of 64, GEMM1's I of 8, at most :data:`MAX_EXPERTS` experts."""
     return K % K_MULTIPLE == 0 and (not swiglu or N % 8 == 0) and 0 < G <= MAX_EXPERTS
-
-
-def tma_storable(out: torch.Tensor) -> bool:
-    """Whether the kernel can store into ``out`` (bf16 ``[M, N]``, contiguous) by TMA: a 16-byte aligned base and
-    16-byte row strides (N a multiple of 8). Elsewhere every tile is copied out of the staging tile by the threads,
-    the same values."""
-    return out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
 
 
 def check_gluon_nvfp4_prefill(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor,
