@@ -99,6 +99,17 @@ def shape_key(s: dict) -> str:
                                     sm100_fp4=s.get("sm100", False))
 
 
+def _gluon_taker(s: dict) -> tuple[str, str, str] | None:
+    """The Gluon fast path that takes shape ``s``'s bucket on this GPU, as (what takes it, its MIN_M option's field,
+    a short name), or None: then the tl kernel runs it and its configs are worth tuning."""
+    bucket = config_space.m_bucket(s["bucket"])
+    if s["fp8"] and gluon_fp8_takes(bucket, s["G"]):
+        return "the Gluon FP8 kernels take", "gluon_fp8_min_m", "Gluon FP8"
+    if s["w_fp4"] and not s.get("sm100") and gluon_nvfp4_takes(bucket, s["G"], s["N"], s["K"], s["swiglu"]):
+        return "the Gluon NVFP4 prefill GEMM takes", "gluon_nvfp4_min_m", "Gluon NVFP4"
+    return None
+
+
 def _operands(s, dev, counts: str):
     """Ragged x (``bucket`` rows per expert: exactly, or on average as routed), weights and offsets for shape ``s``."""
     from ..kernels.fp8 import FP8_BLOCK, quantize_fp8
@@ -189,16 +200,12 @@ def run(args) -> int:
                 rows.append([s["preset"], key, s["bucket"], "skipped (already tuned)", "", ""])
                 advance(label + " (skip)")
                 continue
-            if s["fp8"] and gluon_fp8_takes(config_space.m_bucket(s["bucket"]), s["G"]):
-                rows.append([s["preset"], key, s["bucket"], "not tuned: the Gluon FP8 kernels take this bucket here "
-                             f"({options.ENV['gluon_fp8_min_m']}=off for the tl kernel's)", "", ""])
-                advance(label + " (Gluon FP8)")
-                continue
-            if s["w_fp4"] and not s.get("sm100") and gluon_nvfp4_takes(config_space.m_bucket(s["bucket"]), s["G"],
-                                                                       s["N"], s["K"], s["swiglu"]):
-                rows.append([s["preset"], key, s["bucket"], "not tuned: the Gluon NVFP4 prefill GEMM takes this "
-                             f"bucket here ({options.ENV['gluon_nvfp4_min_m']}=off for the tl kernel's)", "", ""])
-                advance(label + " (Gluon NVFP4)")
+            gluon = _gluon_taker(s)
+            if gluon is not None:
+                what, field, short = gluon
+                rows.append([s["preset"], key, s["bucket"], f"not tuned: {what} this bucket here "
+                             f"({options.ENV[field]}=off for the tl kernel's)", "", ""])
+                advance(label + f" ({short})")
                 continue
             if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
                 stopped = True
