@@ -258,6 +258,31 @@ def test_gluon_nvfp4_prefill_variants_build_for_sm90a_without_spills():
     assert "no spills" in _run(GLUON_SPILL_SCRIPT, "gluon_nvfp4_prefill")
 
 
+SLOT_BYTES_SCRIPT = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moe_ep.kernels.grouped_gemm import gluon_nvfp4_prefill as gp
+from moe_ep.testing.compile_checks import gluon_nvfp4_prefill
+for fn, sig, const, opts in gluon_nvfp4_prefill():
+    k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=opts)
+    block_t = int(re.search(r"bf16\[(\d+), 64\]", sig["x_desc"]).group(1))
+    want = block_t * gp.BLOCK_K * 2 + gp.BLOCK_N * gp.BLOCK_K // 2  # the x tile and 128 rows' code words
+    got = {int(n) for n in re.findall(r"expect_tx\.shared(?:::cta)?\.b64 _, \[%r\d+\], (\d+);", k.asm["ptx"])}
+    assert got == {want}, (const, got, want)
+print("slot bytes ok")
+"""
+
+
+def test_gluon_nvfp4_prefill_slots_expect_the_bytes_their_boxes_bring():
+    """The producer's ``mbarrier.expect`` of every Gluon NVFP4 prefill variant (both forms, both token tiles) is the
+    bytes its TMA loads bring a slot: the x tile and 128 rows of code words (GEMM1's two boxes of 64 included), read
+    from the sm_90a PTX. A short count lets the consumers read a slot before its second box lands; a long one never
+    completes."""
+    assert "slot bytes ok" in _run(SLOT_BYTES_SCRIPT)
+
+
 ABLATION_SCRIPT = r"""
 import os
 import sys
