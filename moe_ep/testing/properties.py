@@ -242,17 +242,11 @@ def check_gluon_nvfp4_gemm(c: dict, dev) -> None:
     :data:`GLUON_FP32_TOL` (fp32 output) of the fp32 reference on the dequantized weights, and within the same bound
     of the ``tl`` kernel (``grouped_gemm``, the dispatcher's path for these operands); rows of no expert left
     unwritten."""
-    from ..kernels import grouped_gemm, nvfp4
+    from ..kernels import grouped_gemm
     from ..kernels.grouped_gemm import gluon_nvfp4
     from ..reference import dequantize_nvfp4_ref, grouped_gemm_ref
-    gen = torch.Generator().manual_seed(c["seed"])
-    offs = S.offsets_of(c["counts"])
-    rows = offs[-1] + c["pad"]
-    x = S.scaled_values((rows, c["K"]), c["scale"], c["zero_frac"], gen).to(dev)
-    w = S.scaled_values((c["G"], c["N"], c["K"]), 0.5, c["zero_frac"], gen).to(dev)
-    w = nvfp4.quantize_nvfp4(w, None if c["one_gs"] else nvfp4.nvfp4_global_scale(w, per_slice=True))
-    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
-    valid = torch.arange(rows) < offs[-1]
+    x, w, offsets, valid, _ = _nvfp4_weight_problem(c, c["N"], dev)
+    rows = x.shape[0]
     out_dtype = getattr(torch, c["out_dtype"])
     stages, maxnreg, overlap = gluon_nvfp4.LAUNCH_SWEEP[c["launch"]]
     out = torch.full((rows, c["N"]), float("nan"), dtype=out_dtype, device=dev)
@@ -276,24 +270,31 @@ def gluon_nvfp4_unavailable() -> str | None:
     return gluon_nvfp4.unavailable_reason()
 
 
+def _nvfp4_weight_problem(c: dict, w_rows: int, dev):
+    """The operands both Gluon NVFP4-weight cases draw, in this order from the case's seed: ragged bf16 x of the case's
+    counts and padding rows, NVFP4 weights ``[G, w_rows, K]`` (one global scale, or one per expert), int32 offsets,
+    the rows within the experts, and the generator (for what a case draws after)."""
+    from ..kernels import nvfp4
+    gen = torch.Generator().manual_seed(c["seed"])
+    offs = S.offsets_of(c["counts"])
+    rows = offs[-1] + c["pad"]
+    x = S.scaled_values((rows, c["K"]), c["scale"], c["zero_frac"], gen).to(dev)
+    w = S.scaled_values((c["G"], w_rows, c["K"]), 0.5, c["zero_frac"], gen).to(dev)
+    w = nvfp4.quantize_nvfp4(w, None if c["one_gs"] else nvfp4.nvfp4_global_scale(w, per_slice=True))
+    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+    return x, w, offsets, torch.arange(rows) < offs[-1], gen
+
+
 def gluon_nvfp4_prefill_problem(c: dict, dev):
     """A :func:`~.strategies.gluon_nvfp4_prefill_cases` case's operands: bf16 x, NVFP4 weights (w13 of 2N rows with
     ``swiglu``), int32 offsets, the routing weights or None, the rows within the experts, and the fp32 reference on
     the dequantized weights (SwiGLU of it for GEMM1, times the routing weights for GEMM2)."""
-    from ..kernels import nvfp4
     from ..reference import dequantize_nvfp4_ref, grouped_gemm_ref
-    gen = torch.Generator().manual_seed(c["seed"])
-    G, N, K = c["G"], c["N"], c["K"]
-    offs = S.offsets_of(c["counts"])
-    rows = offs[-1] + c["pad"]
-    x = S.scaled_values((rows, K), c["scale"], c["zero_frac"], gen).to(dev)
-    w = S.scaled_values((G, 2 * N if c["swiglu"] else N, K), 0.5, c["zero_frac"], gen).to(dev)
-    w = nvfp4.quantize_nvfp4(w, None if c["one_gs"] else nvfp4.nvfp4_global_scale(w, per_slice=True))
-    rs = (torch.rand(rows, generator=gen) + 0.5).to(dev) if c["rs"] else None
-    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+    x, w, offsets, valid, gen = _nvfp4_weight_problem(c, 2 * c["N"] if c["swiglu"] else c["N"], dev)
+    rs = (torch.rand(x.shape[0], generator=gen) + 0.5).to(dev) if c["rs"] else None
     ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets,
                            row_scale=rs, swiglu=c["swiglu"])
-    return x, w, offsets, rs, torch.arange(rows) < offs[-1], ref
+    return x, w, offsets, rs, valid, ref
 
 
 def check_gluon_nvfp4_prefill_gemm(c: dict, dev, problem=None) -> None:
