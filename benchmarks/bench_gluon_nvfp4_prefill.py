@@ -31,7 +31,9 @@ from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph  # noqa: E402
 from moe_ep.kernels import nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels.grouped_gemm import grouped_gemm  # noqa: E402
-from moe_ep.kernels.grouped_gemm.gluon_nvfp4_prefill import (gluon_nvfp4_prefill_grouped_gemm,  # noqa: E402
+from moe_ep.kernels.grouped_gemm import gluon_nvfp4_prefill  # noqa: E402
+from moe_ep.kernels.grouped_gemm.gluon_nvfp4_prefill import (TOKEN_TILES,  # noqa: E402
+                                                             gluon_nvfp4_prefill_grouped_gemm,
                                                              gluon_nvfp4_prefill_swiglu_grouped_gemm)
 from moe_ep.reference import dequantize_nvfp4_ref  # noqa: E402
 
@@ -45,8 +47,21 @@ SHAPES = [  # (name, experts, N (GEMM1: I), K, rows per expert, GEMM1's form)
     ("Qwen3-30B-A3B gemm1", 128, 768, 2048, 512, True),
     ("Mixtral 8x7B gemm2", 8, 4096, 14336, 512, False),
     ("Mixtral 8x7B gemm1", 8, 14336, 4096, 512, True),
+    ("DeepSeek-V3 EP8 gemm2", 32, 7168, 2048, 16, False),
+    ("DeepSeek-V3 EP8 gemm1", 32, 2048, 7168, 16, True),
+    ("Qwen3-30B-A3B gemm2", 128, 2048, 768, 8, False),
+    ("Qwen3-30B-A3B gemm1", 128, 768, 2048, 8, True),
+    ("DeepSeek-V3 EP8 gemm2", 32, 7168, 2048, 64, False),
+    ("DeepSeek-V3 EP8 gemm1", 32, 2048, 7168, 64, True),
 ]
-VARIANTS = {f"t{bt}": dict(block_t=bt) for bt in (128, 256)}
+VARIANTS = {f"t{bt}": dict(block_t=bt) for bt in TOKEN_TILES}
+
+
+def variants_for(rows: int) -> list[str]:
+    """The token tiles timed at ``rows`` tokens per expert: from the smallest holding them (up to 128) on, at most
+    three, and 256 only from 128 rows on."""
+    first = next(i for i, t in enumerate(TOKEN_TILES) if t >= min(rows, 128))
+    return [f"t{t}" for t in TOKEN_TILES[first:first + 3] if t < 256 or rows >= 128]
 
 
 def rel_err(a, b):
@@ -67,6 +82,17 @@ def reference(x, wq, offs, swiglu):
         w = dequantize_nvfp4_ref(wq.data[g], wq.scales[g], wq.global_scale[g])
         h = x[o[g]:o[g + 1]].float() @ w.T
         out[o[g]:o[g + 1]] = swiglu_of(h, n) if swiglu else h
+    return out
+
+
+def ablated(x, wq, offs, rs, swiglu, block_t, ablate):
+    """The Gluon kernel with parts of its decode left out (``gluon_nvfp4_prefill.launch``'s ``ablate``)."""
+    G, R, _ = wq.shape
+    out = torch.empty(x.shape[0], R // 2 if swiglu else R, dtype=torch.bfloat16, device=x.device)
+    gs = wq.global_scale.reshape(-1).float().expand(G).contiguous()
+    gluon_nvfp4_prefill.launch(x, wq.data, wq.scales, gs, offs, out, rs, block_t,
+                               torch.cuda.get_device_properties(x.device).multi_processor_count, swiglu=swiglu,
+                               ablate=ablate)
     return out
 
 
@@ -96,11 +122,20 @@ def run_row(name, G, N, K, rows, swiglu):
             row[f"{col}_error"] = traceback.format_exc()[-2000:]
             print(f"  {name} {rows}: {col} failed: {error_line(row[f'{col}_error'])}", flush=True)
 
-    for variant, kw in VARIANTS.items():
+    for variant in variants_for(rows):
+        kw = VARIANTS[variant]
         if swiglu:
             timed(variant, lambda kw=kw: gluon_nvfp4_prefill_swiglu_grouped_gemm(x, wq, offs, **kw))
         else:
             timed(variant, lambda kw=kw: gluon_nvfp4_prefill_grouped_gemm(x, wq, offs, row_scale=rs, **kw))
+    # the first tile again with the decode's bit operations left out, then also the scale conversion: how much of
+    # the time they are (wrong results: no error column)
+    bt = VARIANTS[variants_for(rows)[0]]["block_t"]
+    for col, ablate in (("no_decode", 1), ("no_decode_scale", 3)):
+        try:
+            row[f"{col}_us"] = time_graph(lambda ablate=ablate: ablated(x, wq, offs, rs, swiglu, bt, ablate)) * 1e6
+        except Exception:  # noqa: BLE001
+            row[f"{col}_error"] = traceback.format_exc()[-2000:]
     for col, b in (("tl_nvfp4", wq), ("tl_bf16", w)):
         with options.override(autotune_quick=True):
             grouped_gemm(x, b, offsets=offs, row_scale=rs, m_hint=rows, swiglu=swiglu)  # autotune outside the timing
@@ -125,12 +160,12 @@ def main():
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"
 
-    cols = [*VARIANTS, "tl_nvfp4", "tl_bf16", "torch_bf16"]
+    cols = [*VARIANTS, "no_decode", "no_decode_scale", "tl_nvfp4", "tl_bf16", "torch_bf16"]
     print(f"\n{'shape':28} {'rows/e':>6} " + " ".join(f"{c[:12]:>12}" for c in cols) + f" {'floor':>8} "
           f"{'best/bf16':>9} {'best/tlfp4':>10} {'floor/best':>10}")
     for r in rows:
         times = {c: r.get(f"{c}_us") for c in cols}
-        gl_times = [times[v] for v in VARIANTS if times[v]]
+        gl_times = [times[v] for v in VARIANTS if times[v]]  # (not the ablations)
         best = min(gl_times) if gl_times else None
         floor = r.get("flop_floor_us")
         ratios = [best / d if best and d else float("nan") for d in (times["tl_bf16"], times["tl_nvfp4"])]
@@ -141,7 +176,8 @@ def main():
         for k in [k for k in r if k.endswith("_error")]:
             print(f"  {k}: {error_line(r[k])}")
     print("times in us (median of CUDA-graph replays), GEMM2 rows with their routing weights; floor: 2 M N K / "
-          "989 TFLOP/s (dense bf16; GEMM1: N = 2I); best: the fastest Gluon variant; rel err: relative "
+          "989 TFLOP/s (dense bf16; GEMM1: N = 2I); best: the fastest Gluon variant; no_decode(_scale): the first "
+          "tile without the code decode's bit operations (and the scale conversion), wrong results; rel err: relative "
           "Frobenius error against fp32 on the dequantized NVFP4 weights (tl_bf16, torch_bf16: on the bf16 "
           "weights they were quantized from, so their error is NVFP4's rounding)")
 

@@ -89,8 +89,8 @@ def short(c):
     if not c or not c.config:
         return "-"
     k = c.config
-    if c.path != "tl":  # a fast path's named variant
-        return f"{c.path}:{k.get('VARIANT', '?')}"
+    if c.path != "tl":  # a fast path's named variant, or its token tile
+        return f"{c.path}:{k['VARIANT'] if 'VARIANT' in k else 't' + str(k.get('BLOCK_T', '?'))}"
     return (f"{'dec:' if any(c.decoded) else ''}"  # NVFP4 operands decoded to bf16 first
             f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}{'s' if k['SWAP_AB'] else ''}{'t' if k.get('TMA') else ''}"
             f"/w{k['num_warps']}s{k['num_stages']}")

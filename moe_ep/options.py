@@ -51,8 +51,8 @@ from .errors import MoEEpConfigError
 
 DEFAULT_DECODED_MIN_M = 512  # from this many tokens per expert on, NVFP4 weights are decoded to bf16 copies first
 DEFAULT_GLUON_FP8_MIN_M = 128  # the bucket from which the FP8 expert MLP is faster through the Gluon kernels (PERF.md)
-# the bucket from which NVFP4 weights take the Gluon prefill GEMM where it is verified (none yet: it has not run on a
-# GPU, and the first timing of it against the tl paths picks this number)
+# the bucket from which the NVFP4-weight expert MLP is faster through the Gluon prefill GEMM (PERF.md; at 64 tokens
+# per expert it is as fast as the tl path or slower)
 DEFAULT_GLUON_NVFP4_MIN_M = 128
 
 _TRUE = ("1", "on", "true", "yes")

@@ -8,8 +8,8 @@
 #       expression whole), fp8_bench (benchmarks/bench_grouped_gemm.py --weights fp8 --quick, the
 #       rows from 128 tokens per expert: the dispatcher's Gluon FP8 path on from there, the tl kernel beside it; with
 #       FP8_VARIANTS=GEMM1,GEMM2 through those Gluon variants instead of the defaults),
-#       nvfp4_bench (benchmarks/bench_grouped_gemm.py --weights nvfp4 --quick, the rows from 64 tokens per expert
-#       through the dispatcher's Gluon NVFP4 prefill path from there, taken before its tests pass here
+#       nvfp4_bench (benchmarks/bench_grouped_gemm.py --weights nvfp4 --quick, the rows from NVFP4_ROWS_FROM (default
+#       64) tokens per expert through the dispatcher's Gluon NVFP4 prefill path from there, taken before its tests pass here
 #       (--gluon-nvfp4-unverified), the tl paths beside it),
 #       gluon_bench (benchmarks/bench_gluon_nvfp4.py: the Gluon NVFP4 kernels at decode shapes),
 #       nvfp4_prefill (benchmarks/bench_gluon_nvfp4_prefill.py: the Gluon NVFP4-weight prefill GEMM's variants beside
@@ -58,8 +58,9 @@ for step in "$@"; do
         > "$out/fp8_bench.log" 2>&1
       summary fp8_bench $? "$out/fp8_bench.log"; tail -12 "$out/fp8_bench.log" ;;
     nvfp4_bench)
-      timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights nvfp4 --quick --rows-from 64 \
-        --gluon-nvfp4-min-m 64 --gluon-nvfp4-unverified --out "$out/nvfp4.json" > "$out/nvfp4_bench.log" 2>&1
+      timeout "$(left)" python3 benchmarks/bench_grouped_gemm.py --weights nvfp4 --quick \
+        --rows-from "${NVFP4_ROWS_FROM:-64}" --gluon-nvfp4-min-m "${NVFP4_ROWS_FROM:-64}" --gluon-nvfp4-unverified \
+        --out "$out/nvfp4.json" > "$out/nvfp4_bench.log" 2>&1
       summary nvfp4_bench $? "$out/nvfp4_bench.log"; tail -14 "$out/nvfp4_bench.log" ;;
     gluon_bench)
       timeout "$(left)" python3 benchmarks/bench_gluon_nvfp4.py --out "$out/gluon.json" > "$out/gluon_bench.log" 2>&1

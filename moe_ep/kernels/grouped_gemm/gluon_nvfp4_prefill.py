@@ -61,8 +61,9 @@ BLOCK_K = 64  # K per ring slot: 4 scale blocks, one int32 of scale bytes per ro
 WG_ROWS = 64  # weight rows per math warpgroup: the wgmma M of one warpgroup
 BLOCK_N = 2 * WG_ROWS  # a tile's weight rows: two math warpgroups
 K_MULTIPLE = 64
-TOKEN_TILES = (128, 256)
-"""BLOCK_T choices: wgmma N. 256 for experts of 256 tokens on; 128 keeps more tiles in flight for fewer."""
+TOKEN_TILES = (16, 32, 64, 128, 256)
+"""BLOCK_T choices: wgmma N. 256 for experts of 256 tokens on; below, the smallest that holds an expert's tokens
+(fewer tokens computed past an expert's end, more tiles in flight)."""
 MAX_EXPERTS = 1024
 _WG_ROWS = gl.constexpr(WG_ROWS)
 
@@ -85,6 +86,9 @@ prmt.b32 u, t, y, 0x0602;
 and.b32 m, u, 0x000F000F; mul.lo.u32 m, m, 0x1040; and.b32 m, m, 0x81C081C0; fma.rn.bf16x2 $1, m, $11, z;
 }""")
 _TWO_118 = gl.constexpr(2.0 ** 118)
+# benchmarks only (ABLATE & 1): the code words themselves as the A registers, times the scale (the decode's data flow
+# without its bit operations; the values are garbage)
+_NO_DECODE_ASM = gl.constexpr("fma.rn.bf16x2 $0, $2, $10, $2; fma.rn.bf16x2 $1, $4, $11, $4;")
 
 # The decode's layout of a math warpgroup's [64 rows, 4 (c), 4 (j: K chunk), 2 (h: the chunk's k 0-7 or 8-15), 2 (e:
 # k even or odd)]: wgmma's A operand with the chunk's k split as 8h + 2c + e, register bits e, the row's + 8, h, j
@@ -107,8 +111,9 @@ HALF_WORD_LAYOUT = gl.DistributedLinearLayout(
 
 
 def token_tile(tokens_per_expert: int) -> int:
-    """The BLOCK_T for an expected ``tokens_per_expert``: 256 from 256 tokens on, else 128."""
-    return 256 if tokens_per_expert >= 256 else 128
+    """The BLOCK_T for an expected ``tokens_per_expert``: the smallest of :data:`TOKEN_TILES` holding them, 256 past
+    that."""
+    return next((t for t in TOKEN_TILES if t >= tokens_per_expert), TOKEN_TILES[-1])
 
 
 def ring_stages(block_t: int) -> int:
@@ -182,7 +187,7 @@ def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G
 
 
 @gluon.jit
-def _decode_a(words, sw, a_layout: gl.constexpr):
+def _decode_a(words, sw, a_layout: gl.constexpr, ABLATE: gl.constexpr = 0):
     """A math warpgroup's K step of weights as wgmma's A operand: ``words`` int32 ``[64, 4, 2]`` (row, j, h: the
     row's code word 2j + h of the step, in ``Slice(1, Slice(4, DECODE_LAYOUT))``) and ``sw`` int32 ``[64]`` (the
     row's 4 scale bytes of the step, chunk j's in byte j) -> bf16 ``[64, 64]`` ``e2m1 * s * 2^-8`` in ``a_layout``."""
@@ -195,7 +200,10 @@ def _decode_a(words, sw, a_layout: gl.constexpr):
     sb = ((sw[:, None] >> (8 * j[None, :])) & 0x7F).to(gl.uint8)  # [R, 4]
     s = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _TWO_118).to(gl.bfloat16)
     shape = gl.full([R, 4, 4, 2, 2], 0, gl.int32, L)  # (its shape and layout, to broadcast the operands to)
-    a = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,r,r,r,r,r,r,r,r,r,r",
+    if ABLATE & 2:  # (benchmarks only: the scale conversion left out)
+        s = gl.full([R, 4], 1.0, gl.bfloat16, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L))))
+    asm: gl.constexpr = _NO_DECODE_ASM if ABLATE & 1 else _DECODE_ASM
+    a = gl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r,r,r,r,r,r",
                                   [gl.broadcast(words[:, None, :, :, None], shape)[0], gl.broadcast(sel, shape)[0],
                                    gl.broadcast(s[:, None, :, None, None], shape)[0]],
                                   dtype=gl.bfloat16, is_pure=True, pack=4)
@@ -206,7 +214,7 @@ def _decode_a(words, sw, a_layout: gl.constexpr):
 @gluon.jit
 def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, o_desc,
               o_tile, WG: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SWIGLU: gl.constexpr):
+              SWIGLU: gl.constexpr, ABLATE: gl.constexpr):
     """Math warpgroup WG: weight rows WG * 64 .. WG * 64 + 63 of each of this program's tiles against the tile's
     tokens, then stored (times 256 / gs, and with HAS_RS the token's routing weight) as out[token, row] where the
     token is its expert's and the row < N. SWIGLU: the warpgroup's rows are 4 groups of 8 gate rows over their 8 up
@@ -271,7 +279,7 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
                 else:
                     words = q_ring.index(slot).slice(WG * _WG_ROWS, _WG_ROWS, dim=0).load(WORD_LAYOUT)
                 words = gl.convert_layout(gl.reshape(words, [_WG_ROWS, 4, 2]), word_layout)
-                a = _decode_a(words, sw, a_layout)
+                a = _decode_a(words, sw, a_layout, ABLATE)
                 acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, use_acc=ks > 0, is_async=True)
                 # the next step's scale bytes load while this step's MMA runs
                 sw = gl.load(s_ptrs + (ks + 1), mask=s_mask & (ks + 1 < KW), other=0)
@@ -315,7 +323,7 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
 @gluon.jit
 def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, M, N, K, G, N_TILES,
                                 o_desc, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
-                                SWIGLU: gl.constexpr):
+                                SWIGLU: gl.constexpr, ABLATE: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). ``o_desc``: with
     TMA_STORE a descriptor over out ``[M, N]`` of ``[BLOCK_T, 64]`` boxes (SWIGLU: 32), else out again (unread). N:
     the output's columns (SWIGLU: I, of w13's 2I rows an expert)."""
@@ -336,9 +344,9 @@ def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
-                     o_desc, o_tiles.index(0), 0, STAGES, HAS_RS, TMA_STORE, SWIGLU)),
+                     o_desc, o_tiles.index(0), 0, STAGES, HAS_RS, TMA_STORE, SWIGLU, ABLATE)),
         (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
-                     o_desc, o_tiles.index(1), 1, STAGES, HAS_RS, TMA_STORE, SWIGLU)),
+                     o_desc, o_tiles.index(1), 1, STAGES, HAS_RS, TMA_STORE, SWIGLU, ABLATE)),
         (_producer, (x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, STAGES, SWIGLU)),
     ], [4, 1], [232, 24])
     for j in gl.static_range(STAGES):
@@ -357,12 +365,10 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-CHECKED_TRITONS: tuple[str, ...] = ()
+CHECKED_TRITONS: tuple[str, ...] = ("3.6", )
 """Triton releases under which both forms passed the GPU property tests (``tests/test_gluon_nvfp4_prefill.py`` on
-sm_90): the grouped-GEMM dispatcher takes this path under these only (:func:`dispatchable`); the entry points run
-under any. None yet: its tests passed on an H100 under Triton 3.6 (2026-12-07), but it has not been timed, and the
-dispatcher takes it only once a timing against the tl paths has picked the bucket it pays from
-(``bash tests/run_on_gpu.sh 36 nvfp4_prefill nvfp4_bench``)."""
+sm_90, every token tile): the grouped-GEMM dispatcher takes this path under these only (:func:`dispatchable`); the
+entry points run under any. Not 3.9 yet: its builds are checked (no spills), its GPU tests have not run under it."""
 
 
 def dispatchable() -> bool:
@@ -375,8 +381,7 @@ def not_dispatchable_reason() -> str | None:
     """Why :func:`dispatchable` says False here (``moe-ep info`` shows it), or None."""
     reason = unavailable_reason()
     if reason is None and triton_minor() not in CHECKED_TRITONS:
-        reason = (f"Triton {triton.__version__}: verified under {' / '.join(CHECKED_TRITONS)} only" if CHECKED_TRITONS
-                  else "not yet taken: correct on an H100 (Triton 3.6), not yet timed against the tl paths")
+        reason = f"Triton {triton.__version__}: verified under {' / '.join(CHECKED_TRITONS)} only"
     return reason
 
 
@@ -428,10 +433,11 @@ def check_gluon_nvfp4_prefill(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Te
 
 def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, offsets: torch.Tensor,
            out: torch.Tensor, row_scale: torch.Tensor | None, block_t: int, num_programs: int,
-           swiglu: bool = False) -> None:
+           swiglu: bool = False, ablate: int = 0) -> None:
     """Launch the kernel on checked parts (at least one row): x bf16 ``[M, K]``, codes uint8 ``[G, R, K/2]``, scale
     bytes ``[G, R, K/16]`` (any 1-byte dtype), fp32 ``gs [G]``, int32 ``offsets [G + 1]``, ``out`` bf16 ``[M, N]``
-    (N = R, or with ``swiglu`` R / 2: w13's gate rows then up rows), the persistent grid ``num_programs``."""
+    (N = R, or with ``swiglu`` R / 2: w13's gate rows then up rows), the persistent grid ``num_programs``. ``ablate``
+    (benchmarks only, wrong results): 1 leaves the code decode's bit operations out, 2 the scale conversion."""
     G, R, K2 = codes.shape
     K = 2 * K2
     N = R // 2 if swiglu else R
@@ -451,7 +457,7 @@ def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch
     _gluon_nvfp4_prefill_kernel[(num_programs, )](x_desc, q_desc, sw, gs, rs, out, offsets, x.shape[0], N, K, G,
                                                   -(-N // (2 * wg_columns(swiglu))), o_desc,
                                                   STAGES=ring_stages(block_t), HAS_RS=row_scale is not None,
-                                                  TMA_STORE=tma_store, SWIGLU=bool(swiglu),
+                                                  TMA_STORE=tma_store, SWIGLU=bool(swiglu), ABLATE=ablate,
                                                   num_warps=4)
 
 
@@ -515,7 +521,8 @@ def compile_signature(block_t: int, has_rs: bool = True, tma_store: bool = True,
     """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_prefill_kernel` for a token tile and form
     (``swiglu``: GEMM1's, no row scale), as a launch builds it, for a GPU-less ``triton.compile`` (compile checks)."""
     lay = shared_layouts(block_t, swiglu)
-    consts = dict(STAGES=ring_stages(block_t), HAS_RS=has_rs and not swiglu, TMA_STORE=tma_store, SWIGLU=swiglu)
+    consts = dict(STAGES=ring_stages(block_t), HAS_RS=has_rs and not swiglu, TMA_STORE=tma_store, SWIGLU=swiglu,
+                  ABLATE=0)
     box = ", ".join(map(str, code_box(swiglu)))
     sig = {"x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "q_desc": f"tensordesc<i32[{box}],{lay['codes']!r}>",
