@@ -247,7 +247,8 @@ def main():
                     "take the Gluon prefill GEMM where it is verified, timed beside the tl paths ('tl' columns)")
     ap.add_argument("--gluon-nvfp4-unverified", action="store_true",
                     help="let the dispatcher take the Gluon NVFP4 prefill GEMM under this Triton before its GPU tests "
-                    "have passed here (gluon_nvfp4_prefill.CHECKED_TRITONS, for this run): to time it through the MLP")
+                    "have passed here (gluon_nvfp4_prefill.CHECKED_TRITONS and MASKED_CHECKED_TRITONS, for this "
+                    "run): to time it through the MLP")
     ap.add_argument("--write-configs", default=None, help="folder to write <device>.json tuned configs into")
     ap.add_argument("--weights", default="nvfp4", help="quantized weight formats timed beside bf16, comma-separated: "
                     f"{', '.join(WEIGHT_FORMATS)} (default nvfp4)")
@@ -265,8 +266,9 @@ def main():
         print(f"Gluon FP8 variants: GEMM1 {pinned[0]}, GEMM2 {pinned[1]}", flush=True)
     if args.gluon_nvfp4_unverified:
         # (read by the dispatcher's plan of each call; no plan is made before this)
-        gluon_nvfp4_prefill.CHECKED_TRITONS = (triton_minor(), )
-        print(f"Gluon NVFP4 prefill GEMM taken under Triton {triton.__version__} before its GPU tests", flush=True)
+        gluon_nvfp4_prefill.CHECKED_TRITONS = gluon_nvfp4_prefill.MASKED_CHECKED_TRITONS = (triton_minor(), )
+        print(f"Gluon NVFP4 prefill GEMM taken under Triton {triton.__version__} before its GPU tests (ragged and "
+              "masked)", flush=True)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     dev_name = torch.cuda.get_device_name()

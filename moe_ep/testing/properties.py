@@ -287,35 +287,47 @@ def _nvfp4_weight_problem(c: dict, w_rows: int, dev):
 
 def gluon_nvfp4_prefill_problem(c: dict, dev):
     """A :func:`~.strategies.gluon_nvfp4_prefill_cases` case's operands: bf16 x, NVFP4 weights (w13 of 2N rows with
-    ``swiglu``), int32 offsets, the routing weights or None, the rows within the experts, and the fp32 reference on
-    the dequantized weights (SwiGLU of it for GEMM1, times the routing weights for GEMM2)."""
+    ``swiglu``), the int32 index (offsets, or with ``masked`` the counts of x ``[G, M_max, K]``: the ragged rows of
+    each expert at the start of its block, the block's other rows drawn too), the routing weights or None, the rows
+    within the experts, and the fp32 reference on the dequantized weights (SwiGLU of it for GEMM1, times the routing
+    weights for GEMM2)."""
     from ..reference import dequantize_nvfp4_ref, grouped_gemm_ref
     x, w, offsets, valid, gen = _nvfp4_weight_problem(c, 2 * c["N"] if c["swiglu"] else c["N"], dev)
-    rs = (torch.rand(x.shape[0], generator=gen) + 0.5).to(dev) if c["rs"] else None
-    ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), offsets=offsets,
+    layout = dict(offsets=offsets)
+    if c.get("masked"):
+        counts = c["counts"]
+        m_max = max(counts, default=0) + c["pad"]
+        xm = S.scaled_values((c["G"], m_max, c["K"]), c["scale"], c["zero_frac"], gen).to(dev)
+        for g, (lo, n) in enumerate(zip(S.offsets_of(counts), counts)):
+            xm[g, :n] = x[lo:lo + n]
+        x, valid = xm, torch.arange(m_max)[None, :] < torch.tensor(counts)[:, None]
+        layout = dict(counts=torch.tensor(counts, dtype=torch.int32, device=dev))
+    rs = (torch.rand(tuple(x.shape[:-1]), generator=gen) + 0.5).to(dev) if c["rs"] else None
+    ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), **layout,
                            row_scale=rs, swiglu=c["swiglu"])
-    return x, w, offsets, rs, valid, ref
+    return x, w, next(iter(layout.values())), rs, valid, ref
 
 
 def check_gluon_nvfp4_prefill_gemm(c: dict, dev, problem=None) -> None:
     """The Gluon NVFP4-weight prefill GEMM (sm_90a) of a :func:`~.strategies.gluon_nvfp4_prefill_cases` case, GEMM2's
-    form or GEMM1's, at the case's token tile, into a NaN-poisoned bf16 output: within :data:`GEMM_TOL` of the fp32
-    reference on the dequantized weights, and of the ``tl`` kernel on the same operands (``grouped_gemm`` with the
-    Gluon path off); rows of no expert left unwritten. ``problem``: :func:`gluon_nvfp4_prefill_problem`'s tuple, when
-    the caller made it."""
+    form or GEMM1's, ragged or masked, at the case's token tile, into a NaN-poisoned bf16 output: within
+    :data:`GEMM_TOL` of the fp32 reference on the dequantized weights, and of the ``tl`` kernel on the same operands
+    (``grouped_gemm`` with the Gluon path off); rows of no expert left unwritten. ``problem``:
+    :func:`gluon_nvfp4_prefill_problem`'s tuple, when the caller made it."""
     from .. import options
     from ..kernels import grouped_gemm
     from ..kernels.grouped_gemm import gluon_nvfp4_prefill as gp
-    x, w, offsets, rs, valid, ref = gluon_nvfp4_prefill_problem(c, dev) if problem is None else problem
-    out = torch.full((x.shape[0], c["N"]), float("nan"), dtype=torch.bfloat16, device=dev)
+    x, w, index, rs, valid, ref = gluon_nvfp4_prefill_problem(c, dev) if problem is None else problem
+    layout = dict(counts=index) if c.get("masked") else dict(offsets=index)
+    out = torch.full((*x.shape[:-1], c["N"]), float("nan"), dtype=torch.bfloat16, device=dev)
     if c["swiglu"]:
-        got = gp.gluon_nvfp4_prefill_swiglu_grouped_gemm(x, w, offsets, out=out, block_t=c["block_t"])
+        got = gp.gluon_nvfp4_prefill_swiglu_grouped_gemm(x, w, **layout, out=out, block_t=c["block_t"])
     else:
-        got = gp.gluon_nvfp4_prefill_grouped_gemm(x, w, offsets, row_scale=rs, out=out, block_t=c["block_t"])
+        got = gp.gluon_nvfp4_prefill_grouped_gemm(x, w, **layout, row_scale=rs, out=out, block_t=c["block_t"])
     assert got is out, "gluon_nvfp4_prefill did not return its out= tensor"
     assert_rel_close(out, ref, valid, GEMM_TOL, "gluon_nvfp4_prefill")
     with options.override(gluon_nvfp4_min_m="off"):
-        tl_out = grouped_gemm(x, w, offsets=offsets, row_scale=rs, swiglu=c["swiglu"])
+        tl_out = grouped_gemm(x, w, **layout, row_scale=rs, swiglu=c["swiglu"])
     assert_rel_close(out, tl_out, valid, 2 * GEMM_TOL, "gluon_nvfp4_prefill against the tl kernel")
     assert torch.isnan(out[~valid].float()).all(), "gluon_nvfp4_prefill wrote rows outside the experts' counts"
 

@@ -142,11 +142,11 @@ def cpu_nvfp4_weights(G: int | None, N: int, K: int, swizzled: bool = False):
 
 @st.composite
 def gluon_nvfp4_prefill_cases(draw, b: Bounds = TINY):
-    """A problem of the Gluon NVFP4-weight prefill GEMM (ragged bf16 x, NVFP4 weights): 1-6 experts, K a multiple of
-    64 (up to 768), N (GEMM1: I) not always a multiple of the tile's columns, up to 300 tokens per expert (past the
-    largest token tile), empty experts, padding rows of no expert, GEMM2's form with a routing weight or not and
-    GEMM1's (SwiGLU), one or per-expert global scales, and the token tile (None: the kernel's pick). A GPU-only
-    kernel: the shapes are its own, ``b`` is not read."""
+    """A problem of the Gluon NVFP4-weight prefill GEMM (bf16 x, NVFP4 weights), ragged or masked: 1-6 experts, K a
+    multiple of 64 (up to 768), N (GEMM1: I) not always a multiple of the tile's columns, up to 300 tokens per expert
+    (past the largest token tile), empty experts, padding rows of no expert (masked: rows past every count), GEMM2's
+    form with a routing weight or not and GEMM1's (SwiGLU), one or per-expert global scales, and the token tile
+    (None: the kernel's pick). A GPU-only kernel: the shapes are its own, ``b`` is not read."""
     from ..kernels.grouped_gemm.gluon_nvfp4_prefill import TOKEN_TILES
     G = draw(st.integers(1, 6))
     swiglu = draw(st.booleans())
@@ -154,7 +154,7 @@ def gluon_nvfp4_prefill_cases(draw, b: Bounds = TINY):
                 counts=draw(expert_counts(G, draw(st.sampled_from([1, 40, 128, 300])))), pad=draw(st.integers(0, 3)),
                 one_gs=draw(st.booleans()), scale=draw(st.sampled_from([1.0, 1e-3, 300.0])),
                 zero_frac=draw(st.sampled_from([0.0, 0.3])), rs=not swiglu and draw(st.booleans()),
-                block_t=draw(st.sampled_from([None, *TOKEN_TILES])), seed=draw(_seeds))
+                block_t=draw(st.sampled_from([None, *TOKEN_TILES])), masked=draw(st.booleans()), seed=draw(_seeds))
 
 
 @st.composite

@@ -1,10 +1,10 @@
-"""A Gluon warp-specialized grouped GEMM for Hopper (sm_90a), NVFP4 weights times bf16 x, ragged rows: the prefill
-shape class (hundreds of tokens per expert). GPU-only; the ``triton.language`` kernel (``kernels.py``) stays the
+"""A Gluon warp-specialized grouped GEMM for Hopper (sm_90a), NVFP4 weights times bf16 x, ragged or masked rows: the
+prefill shape class (hundreds of tokens per expert). GPU-only; the ``triton.language`` kernel (``kernels.py``) stays the
 reference path.
 
 ``y_g = x_g @ w_g^T`` per expert g, computed as ``acc^T = W_g x_g^T``: a math warpgroup's 64 weight rows are wgmma's
 A operand, decoded from NVFP4 straight into the A *registers* (no decoded copy in shared memory, none in global
-memory), and ``BLOCK_T`` tokens (128 or 256) its N, read by wgmma from the x tile TMA brought into shared memory. A
+memory), and ``BLOCK_T`` tokens (16 to 256) its N, read by wgmma from the x tile TMA brought into shared memory. A
 tile is 128 weight rows (two math warpgroups, 64 rows each, sharing the x tile) by ``BLOCK_T`` tokens.
 
 Partitions, sharing a ``STAGES``-deep ring of shared-memory slots with a "ready" and an "empty" mbarrier each:
@@ -110,6 +110,19 @@ HALF_WORD_LAYOUT = gl.DistributedLinearLayout(
     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[WG_ROWS // 2, BLOCK_K // 8])
 
 
+@gluon.jit
+def _rows(idx_ptr, g, M, MMAX, MASKED: gl.constexpr):
+    """Expert g's rows [start, end) of x and out (``[M, K]``, ``[M, N]``): ragged, its offsets (``idx_ptr``: ``[G +
+    1]``) clamped as ``gluon_fp8._expert_rows`` clamps them; MASKED, ``g * MMAX`` on, its count (``idx_ptr``:
+    ``[G]``) clamped to [0, MMAX]."""
+    if MASKED:
+        start = g * MMAX
+        end = start + gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
+    else:
+        start, end = _expert_rows(idx_ptr, g, M)
+    return start, end
+
+
 def token_tile(tokens_per_expert: int) -> int:
     """The BLOCK_T for an expected ``tokens_per_expert``: the smallest of :data:`TOKEN_TILES` holding them, 256 past
     that."""
@@ -146,8 +159,8 @@ def code_box(swiglu: bool) -> list:
 
 
 @gluon.jit
-def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, STAGES: gl.constexpr,
-              SWIGLU: gl.constexpr):
+def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, MMAX,
+              STAGES: gl.constexpr, SWIGLU: gl.constexpr, MASKED: gl.constexpr):
     """1 warp: for every tile of this program, fill ring slot i % STAGES with K step i's x tile and code words once
     both math warpgroups freed it. SWIGLU: a slot's 128 rows are the tile's 64 gate rows over their 64 up rows (two
     boxes of w13's ``[G * 2I, K/8]`` words): 64 output channels."""
@@ -162,7 +175,7 @@ def _producer(x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G
     i = 0
     first = 0
     for g in range(G):
-        start, end = _expert_rows(offs_ptr, g, M)
+        start, end = _rows(offs_ptr, g, M, MMAX, MASKED)
         m_tiles = gl.cdiv(end - start, BT)
         last = first + m_tiles * N_TILES
         for t in range(_first_tile(first, pid, P), last, P):
@@ -212,9 +225,9 @@ def _decode_a(words, sw, a_layout: gl.constexpr, ABLATE: gl.constexpr = 0):
 
 
 @gluon.jit
-def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, o_desc,
-              o_tile, WG: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SWIGLU: gl.constexpr, ABLATE: gl.constexpr):
+def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, MMAX,
+              o_desc, o_tile, WG: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
+              SWIGLU: gl.constexpr, MASKED: gl.constexpr, ABLATE: gl.constexpr):
     """Math warpgroup WG: weight rows WG * 64 .. WG * 64 + 63 of each of this program's tiles against the tile's
     tokens, then stored (times 256 / gs, and with HAS_RS the token's routing weight) as out[token, row] where the
     token is its expert's and the row < N. SWIGLU: the warpgroup's rows are 4 groups of 8 gate rows over their 8 up
@@ -247,7 +260,7 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
     i = 0
     first = 0
     for g in range(G):
-        start, end = _expert_rows(offs_ptr, g, M)
+        start, end = _rows(offs_ptr, g, M, MMAX, MASKED)
         m_tiles = gl.cdiv(end - start, BT)
         last = first + m_tiles * N_TILES
         gs = gl.load(gs_ptr + g)
@@ -322,11 +335,12 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
 
 @gluon.jit
 def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, M, N, K, G, N_TILES,
-                                o_desc, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
-                                SWIGLU: gl.constexpr, ABLATE: gl.constexpr):
+                                MMAX, o_desc, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
+                                SWIGLU: gl.constexpr, MASKED: gl.constexpr, ABLATE: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). ``o_desc``: with
     TMA_STORE a descriptor over out ``[M, N]`` of ``[BLOCK_T, 64]`` boxes (SWIGLU: 32), else out again (unread). N:
-    the output's columns (SWIGLU: I, of w13's 2I rows an expert)."""
+    the output's columns (SWIGLU: I, of w13's 2I rows an expert). ``offs_ptr``: the offsets ``[G + 1]``, or with
+    MASKED the counts ``[G]`` of the experts' ``MMAX``-row blocks of x and out."""
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     WG_N: gl.constexpr = 32 if SWIGLU else 64  # output columns a math warpgroup
@@ -344,10 +358,11 @@ def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
-                     o_desc, o_tiles.index(0), 0, STAGES, HAS_RS, TMA_STORE, SWIGLU, ABLATE)),
+                     MMAX, o_desc, o_tiles.index(0), 0, STAGES, HAS_RS, TMA_STORE, SWIGLU, MASKED, ABLATE)),
         (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
-                     o_desc, o_tiles.index(1), 1, STAGES, HAS_RS, TMA_STORE, SWIGLU, ABLATE)),
-        (_producer, (x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, STAGES, SWIGLU)),
+                     MMAX, o_desc, o_tiles.index(1), 1, STAGES, HAS_RS, TMA_STORE, SWIGLU, MASKED, ABLATE)),
+        (_producer, (x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, MMAX, STAGES, SWIGLU,
+                     MASKED)),
     ], [4, 1], [232, 24])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
@@ -367,21 +382,28 @@ def available() -> bool:
 
 CHECKED_TRITONS: tuple[str, ...] = ("3.6", )
 """Triton releases under which both forms passed the GPU property tests (``tests/test_gluon_nvfp4_prefill.py`` on
-sm_90, every token tile): the grouped-GEMM dispatcher takes this path under these only (:func:`dispatchable`); the
-entry points run under any. Not 3.9 yet: its builds are checked (no spills), its GPU tests have not run under it."""
+sm_90, every token tile): the grouped-GEMM dispatcher takes this path for ragged calls under these only
+(:func:`dispatchable`); the entry points run under any. Not 3.9 yet: its builds are checked (no spills), its GPU
+tests have not run under it."""
+
+MASKED_CHECKED_TRITONS: tuple[str, ...] = ()
+"""The same for the masked layout (the dispatcher's masked calls). None yet: its builds are checked and its CPU
+tests pass; its GPU tests have not run."""
 
 
-def dispatchable() -> bool:
-    """Whether the grouped-GEMM dispatcher may take this path here: :func:`available`, under a Triton of
-    :data:`CHECKED_TRITONS`."""
-    return available() and triton_minor() in CHECKED_TRITONS
+def dispatchable(masked: bool = False) -> bool:
+    """Whether the grouped-GEMM dispatcher may take this path here for a ragged (or ``masked``) call:
+    :func:`available`, under a Triton of :data:`CHECKED_TRITONS` (:data:`MASKED_CHECKED_TRITONS`)."""
+    return not_dispatchable_reason(masked) is None
 
 
-def not_dispatchable_reason() -> str | None:
-    """Why :func:`dispatchable` says False here (``moe-ep info`` shows it), or None."""
+def not_dispatchable_reason(masked: bool = False) -> str | None:
+    """Why :func:`dispatchable` says False here (``moe-ep info`` shows the ragged layout's), or None."""
     reason = unavailable_reason()
-    if reason is None and triton_minor() not in CHECKED_TRITONS:
-        reason = f"Triton {triton.__version__}: verified under {' / '.join(CHECKED_TRITONS)} only"
+    checked = MASKED_CHECKED_TRITONS if masked else CHECKED_TRITONS
+    if reason is None and triton_minor() not in checked:
+        reason = (f"Triton {triton.__version__}: verified under {' / '.join(checked)} only" if checked
+                  else "masked layout: not yet run on a GPU")
     return reason
 
 
@@ -391,12 +413,13 @@ def takes(G: int, N: int, K: int, swiglu: bool) -> bool:
     return K % K_MULTIPLE == 0 and (not swiglu or N % 8 == 0) and 0 < G <= MAX_EXPERTS
 
 
-def check_gluon_nvfp4_prefill(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor,
+def check_gluon_nvfp4_prefill(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor | None,
                               row_scale: torch.Tensor | None = None, block_t: int | None = None,
-                              num_programs: int | None = None, swiglu: bool = False) -> None:
+                              num_programs: int | None = None, swiglu: bool = False,
+                              counts: torch.Tensor | None = None) -> None:
     """Raise :class:`MoEEpInputError` unless the arguments are what :func:`gluon_nvfp4_prefill_grouped_gemm` (with
-    ``swiglu``, :func:`gluon_nvfp4_prefill_swiglu_grouped_gemm`: no row scale) takes (no device is touched; the
-    device checks come last)."""
+    ``swiglu``, :func:`gluon_nvfp4_prefill_swiglu_grouped_gemm`: no row scale) takes, ragged (``offsets``) or masked
+    (``counts``) (no device is touched; the device checks come last)."""
     check(isinstance(w, NvFp4Tensor), "type(w)", type(w).__name__, "an NvFp4Tensor [G, N, K]")
     w.check("w")
     check(len(w.shape) == 3, "w.shape", tuple(w.shape), "[G, N, K] (3-D)")
@@ -409,35 +432,47 @@ def check_gluon_nvfp4_prefill(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Te
     check(w.global_scale.numel() in (1, G), "w.global_scale.numel()", w.global_scale.numel(), f"1 or {G}")
     if swiglu:
         check(N % 16 == 0, "w.shape[1] (2I)", N, "a multiple of 16 (gate rows, then up rows; I a multiple of 8)")
-    check(isinstance(x, torch.Tensor), "type(x)", type(x).__name__, "a bf16 torch.Tensor [M, K]")
+    masked = counts is not None
+    check(masked != (offsets is not None), "(offsets, counts)",
+          tuple(None if t is None else type(t).__name__ for t in (offsets, counts)),
+          "exactly one of offsets (ragged layout) or counts (masked layout)")
+    check(isinstance(x, torch.Tensor), "type(x)", type(x).__name__, "a bf16 torch.Tensor")
     check(x.dtype == torch.bfloat16, "x.dtype", x.dtype, "torch.bfloat16")
-    check(x.dim() == 2 and x.shape[1] == K, "x.shape", tuple(x.shape), f"[M, {K}] (K of w)")
-    check(x.shape[0] < 2**31, "x.shape[0] (M)", x.shape[0], "< 2^31")
-    check(isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int32, "offsets.dtype",
-          getattr(offsets, "dtype", type(offsets).__name__), "torch.int32")
-    check(tuple(offsets.shape) == (G + 1, ), "offsets.shape", tuple(offsets.shape), f"({G + 1},) (G + 1)")
+    if masked:
+        check(x.dim() == 3 and x.shape[0] == G and x.shape[2] == K, "x.shape", tuple(x.shape),
+              f"[{G}, M_max, {K}] (masked: G and K of w)")
+    else:
+        check(x.dim() == 2 and x.shape[1] == K, "x.shape", tuple(x.shape), f"[M, {K}] (ragged: K of w)")
+    rows = x.shape[:-1]
+    check(x.numel() // K < 2**31, "x's rows", x.numel() // K, "< 2^31")
+    idx, name, length = (counts, "counts", G) if masked else (offsets, "offsets", G + 1)
+    check(isinstance(idx, torch.Tensor) and idx.dtype == torch.int32, f"{name}.dtype",
+          getattr(idx, "dtype", type(idx).__name__), "torch.int32")
+    check(tuple(idx.shape) == (length, ), f"{name}.shape", tuple(idx.shape), f"({length},)")
     check(block_t is None or block_t in TOKEN_TILES, "block_t", block_t, f"None or one of {TOKEN_TILES}")
     check(num_programs is None or (isinstance(num_programs, int) and num_programs > 0), "num_programs", num_programs,
           "None or a positive int")
     if row_scale is not None:
         check(isinstance(row_scale, torch.Tensor) and row_scale.dtype == torch.float32, "row_scale.dtype",
               getattr(row_scale, "dtype", type(row_scale).__name__), "torch.float32")
-        check(tuple(row_scale.shape) == (x.shape[0], ), "row_scale.shape", tuple(row_scale.shape),
-              f"({x.shape[0]},) (one weight per row of x)")
+        check(tuple(row_scale.shape) == tuple(rows), "row_scale.shape", tuple(row_scale.shape),
+              f"{tuple(rows)} (one weight per row of x)")
     check(x.device.type == "cuda" and w.device == x.device, "x.device", str(x.device),
           f"a CUDA device, the weights' ({w.device})")
-    check(offsets.device == x.device, "offsets.device", str(offsets.device), str(x.device))
+    check(idx.device == x.device, f"{name}.device", str(idx.device), str(x.device))
     if row_scale is not None:
         check(row_scale.device == x.device, "row_scale.device", str(row_scale.device), str(x.device))
 
 
 def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, offsets: torch.Tensor,
            out: torch.Tensor, row_scale: torch.Tensor | None, block_t: int, num_programs: int,
-           swiglu: bool = False, ablate: int = 0) -> None:
+           swiglu: bool = False, m_max: int | None = None, ablate: int = 0) -> None:
     """Launch the kernel on checked parts (at least one row): x bf16 ``[M, K]``, codes uint8 ``[G, R, K/2]``, scale
     bytes ``[G, R, K/16]`` (any 1-byte dtype), fp32 ``gs [G]``, int32 ``offsets [G + 1]``, ``out`` bf16 ``[M, N]``
-    (N = R, or with ``swiglu`` R / 2: w13's gate rows then up rows), the persistent grid ``num_programs``. ``ablate``
-    (benchmarks only, wrong results): 1 leaves the code decode's bit operations out, 2 the scale conversion."""
+    (N = R, or with ``swiglu`` R / 2: w13's gate rows then up rows), ``row_scale`` fp32 ``[M]`` or None, the
+    persistent grid ``num_programs``. ``m_max`` (masked layout): x and out are the experts' ``m_max``-row blocks
+    (``M = G * m_max``) and ``offsets`` their int32 counts ``[G]``. ``ablate`` (benchmarks only, wrong results): 1
+    leaves the code decode's bit operations out, 2 the scale conversion."""
     G, R, K2 = codes.shape
     K = 2 * K2
     N = R // 2 if swiglu else R
@@ -455,79 +490,94 @@ def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch
     q_desc = TensorDescriptor.from_tensor(words, code_box(swiglu), lay["codes"])
     o_desc = TensorDescriptor.from_tensor(out, [block_t, wg_columns(swiglu)], lay["out"]) if tma_store else out
     _gluon_nvfp4_prefill_kernel[(num_programs, )](x_desc, q_desc, sw, gs, rs, out, offsets, x.shape[0], N, K, G,
-                                                  -(-N // (2 * wg_columns(swiglu))), o_desc,
+                                                  -(-N // (2 * wg_columns(swiglu))), m_max or 0, o_desc,
                                                   STAGES=ring_stages(block_t), HAS_RS=row_scale is not None,
-                                                  TMA_STORE=tma_store, SWIGLU=bool(swiglu), ABLATE=ablate,
-                                                  num_warps=4)
+                                                  TMA_STORE=tma_store, SWIGLU=bool(swiglu),
+                                                  MASKED=m_max is not None, ABLATE=ablate, num_warps=4)
 
 
-def _run(x, w, offsets, row_scale, out, block_t, num_programs, swiglu):
-    """The entry points' common part past their checks: ``out`` checked or made, the launch."""
+def _run(x, w, offsets, counts, row_scale, out, block_t, num_programs, swiglu):
+    """The entry points' common part past their checks: ``out`` checked or made, the launch (masked: on the
+    experts' row blocks flattened)."""
     reason = unavailable_reason()
     if reason is not None:
         raise MoEEpConfigError(f"gluon_nvfp4_prefill {reason}")
     G, R, K = w.shape
-    M, N = x.shape[0], R // 2 if swiglu else R
+    rows, N = tuple(x.shape[:-1]), R // 2 if swiglu else R
     if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+        out = torch.empty(*rows, N, dtype=torch.bfloat16, device=x.device)
     else:
         check(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
-              and tuple(out.shape) == (M, N) and out.is_contiguous() and out.device == x.device, "out",
+              and tuple(out.shape) == (*rows, N) and out.is_contiguous() and out.device == x.device, "out",
               f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
-              f"a contiguous torch.bfloat16 ({M}, {N}) on {x.device}")
+              f"a contiguous torch.bfloat16 {(*rows, N)} on {x.device}")
+    M = x.numel() // K
     if M:
+        masked = counts is not None
         gs = w.global_scale.reshape(-1).float().expand(G).contiguous()
-        launch(x, w.data, w.scales, gs, offsets, out, row_scale, block_t or token_tile(-(-M // G)),
-               num_programs or torch.cuda.get_device_properties(x.device).multi_processor_count, swiglu=swiglu)
+        launch(x.reshape(M, K), w.data, w.scales, gs, counts if masked else offsets, out.view(M, N),
+               None if row_scale is None else row_scale.reshape(M),
+               block_t or token_tile(x.shape[1] if masked else -(-M // G)),
+               num_programs or torch.cuda.get_device_properties(x.device).multi_processor_count, swiglu=swiglu,
+               m_max=x.shape[1] if masked else None)
     return out
 
 
-def gluon_nvfp4_prefill_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor, *,
-                                     row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                                     block_t: int | None = None,
+def gluon_nvfp4_prefill_grouped_gemm(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Tensor | None = None, *,
+                                     counts: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
+                                     out: torch.Tensor | None = None, block_t: int | None = None,
                                      num_programs: int | None = None) -> torch.Tensor:
-    """``y[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ dequant(w[g])^T`` on sm_90a (H100 / H200).
+    """``y_g = x_g @ dequant(w[g])^T`` per expert g on sm_90a (H100 / H200), ragged or masked.
 
-    ``x``: bf16 ``[M, K]`` sorted by expert. ``w``: :class:`NvFp4Tensor` ``[G, N, K]``, linear scales, a global scale
-    per expert (``[G]``) or one; K a multiple of 64. ``offsets``: int32 ``[G + 1]`` on x's device, nondecreasing in
-    ``[0, M]`` (clamped to it on the device; no host sync). ``row_scale``: optional fp32 ``[M]``, each output row's
-    factor (the routing weight of its slot). Returns bf16 ``[M, N]``: ``out`` (contiguous, on x's device) or a new
+    ``w``: :class:`NvFp4Tensor` ``[G, N, K]``, linear scales, a global scale per expert (``[G]``) or one; K a
+    multiple of 64. Exactly one layout:
+
+    - ragged: ``x`` bf16 ``[M, K]`` sorted by expert, ``offsets`` int32 ``[G + 1]`` on x's device, nondecreasing in
+      ``[0, M]`` (clamped to it on the device; no host sync): expert g's rows are ``offsets[g]:offsets[g+1]``;
+    - masked: ``x`` bf16 ``[G, M_max, K]``, ``counts`` int32 ``[G]`` (clamped to ``[0, M_max]`` on the device):
+      expert g's rows are ``x[g, :counts[g]]``.
+
+    ``row_scale``: optional fp32 ``[M]`` (masked: ``[G, M_max]``), each output row's factor (the routing weight of
+    its slot). Returns bf16 ``[M, N]`` (masked: ``[G, M_max, N]``): ``out`` (contiguous, on x's device) or a new
     ``torch.empty``; rows outside every expert are not written, as with the tl kernel. ``block_t``: the token tile
-    (default :func:`token_tile` of ``ceil(M / G)``). ``num_programs``: the persistent grid (default: the SM count).
-    Bad arguments raise :class:`MoEEpInputError`; a machine without an sm_90 GPU raises :class:`MoEEpConfigError`.
+    (default :func:`token_tile` of ``ceil(M / G)``, masked of ``M_max``). ``num_programs``: the persistent grid
+    (default: the SM count). Bad arguments raise :class:`MoEEpInputError`; a machine without an sm_90 GPU raises
+    :class:`MoEEpConfigError`.
     """
-    check_gluon_nvfp4_prefill(x, w, offsets, row_scale, block_t, num_programs)
-    return _run(x, w, offsets, row_scale, out, block_t, num_programs, False)
+    check_gluon_nvfp4_prefill(x, w, offsets, row_scale, block_t, num_programs, counts=counts)
+    return _run(x, w, offsets, counts, row_scale, out, block_t, num_programs, False)
 
 
-def gluon_nvfp4_prefill_swiglu_grouped_gemm(x: torch.Tensor, w13: NvFp4Tensor, offsets: torch.Tensor, *,
-                                            out: torch.Tensor | None = None, block_t: int | None = None,
+def gluon_nvfp4_prefill_swiglu_grouped_gemm(x: torch.Tensor, w13: NvFp4Tensor, offsets: torch.Tensor | None = None,
+                                            *, counts: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                                            block_t: int | None = None,
                                             num_programs: int | None = None) -> torch.Tensor:
     """GEMM1 of an expert MLP with NVFP4 weights on sm_90a (H100 / H200): ``h = silu(x w_gate[g]^T) * (x w_up[g]^T)``
     per expert, in fp32, bf16 out (the tl kernel's ``grouped_gemm(..., swiglu=True)``).
 
-    ``x``: bf16 ``[M, K]`` sorted by expert. ``w13``: :class:`NvFp4Tensor` ``[G, 2I, K]``, gate rows then up rows,
-    linear scales, a global scale per expert or one; K a multiple of 64, I a multiple of 8. ``offsets`` as for
-    :func:`gluon_nvfp4_prefill_grouped_gemm`. Returns bf16 ``[M, I]``: ``out`` or a new ``torch.empty``; rows
-    outside every expert are not written. ``block_t``, ``num_programs``: as there. Bad arguments raise
-    :class:`MoEEpInputError`; a machine without an sm_90 GPU raises :class:`MoEEpConfigError`.
+    ``w13``: :class:`NvFp4Tensor` ``[G, 2I, K]``, gate rows then up rows, linear scales, a global scale per expert or
+    one; K a multiple of 64, I a multiple of 8. ``x`` with ``offsets`` (ragged) or ``counts`` (masked) as for
+    :func:`gluon_nvfp4_prefill_grouped_gemm`. Returns bf16 ``[M, I]`` (masked: ``[G, M_max, I]``): ``out`` or a new
+    ``torch.empty``; rows outside every expert are not written. ``block_t``, ``num_programs``: as there. Bad
+    arguments raise :class:`MoEEpInputError`; a machine without an sm_90 GPU raises :class:`MoEEpConfigError`.
     """
-    check_gluon_nvfp4_prefill(x, w13, offsets, None, block_t, num_programs, swiglu=True)
-    return _run(x, w13, offsets, None, out, block_t, num_programs, True)
+    check_gluon_nvfp4_prefill(x, w13, offsets, None, block_t, num_programs, swiglu=True, counts=counts)
+    return _run(x, w13, offsets, counts, None, out, block_t, num_programs, True)
 
 
 def compile_signature(block_t: int, has_rs: bool = True, tma_store: bool = True,
-                      swiglu: bool = False) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_prefill_kernel` for a token tile and form
-    (``swiglu``: GEMM1's, no row scale), as a launch builds it, for a GPU-less ``triton.compile`` (compile checks)."""
+                      swiglu: bool = False, masked: bool = False) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_prefill_kernel` for a token tile, form
+    (``swiglu``: GEMM1's, no row scale) and layout, as a launch builds it, for a GPU-less ``triton.compile`` (compile
+    checks)."""
     lay = shared_layouts(block_t, swiglu)
     consts = dict(STAGES=ring_stages(block_t), HAS_RS=has_rs and not swiglu, TMA_STORE=tma_store, SWIGLU=swiglu,
-                  ABLATE=0)
+                  MASKED=masked, ABLATE=0)
     box = ", ".join(map(str, code_box(swiglu)))
     sig = {"x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "q_desc": f"tensordesc<i32[{box}],{lay['codes']!r}>",
            "ws_ptr": "*i32", "gs_ptr": "*fp32", "rs_ptr": "*fp32", "out_ptr": "*bf16", "offs_ptr": "*i32",
-           "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32",
+           "M": "i32", "N": "i32", "K": "i32", "G": "i32", "N_TILES": "i32", "MMAX": "i32",
            "o_desc": (f"tensordesc<bf16[{block_t}, {wg_columns(swiglu)}],{lay['out']!r}>" if tma_store
                       else "*bf16"),
            **{name: "constexpr" for name in consts}}

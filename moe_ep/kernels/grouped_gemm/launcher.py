@@ -252,9 +252,9 @@ def _launch(c: _Call, p: GemmPlan, link: Link | None) -> GemmPlan:
 
 def _launch_gluon_fp8(c: _Call, p: GemmPlan) -> None:
     """Plan ``p``'s launch on the Gluon FP8 kernels (``gluon_fp8.py``), which take int32 offsets
-    (:func:`_int32_offsets`)."""
+    (:func:`_int32_index`)."""
     from . import gluon_fp8
-    offsets = _int32_offsets(c)
+    offsets = _int32_index(c)
     if c.quantize_out:  # GEMM1: SwiGLU, codes and scales out
         out, out_scales = c.out.data, c.out.scales
     else:
@@ -264,28 +264,29 @@ def _launch_gluon_fp8(c: _Call, p: GemmPlan) -> None:
 
 
 def _launch_gluon_nvfp4(c: _Call, p: GemmPlan) -> None:
-    """Plan ``p``'s launch on the Gluon NVFP4-weight prefill GEMM (``gluon_nvfp4_prefill.py``): int32 offsets
-    (:func:`_int32_offsets`), and the weights' global scales (``c.wgs``: one per expert already). NVFP4 x is
-    decoded to its bf16 copy first, as for the tl kernel, and its global scales (one, or one per row) enter as the
-    kernel's row factor, ``256 / xgs`` (times the routing weight, where there is one), applied before SwiGLU as the tl
-    kernel applies it."""
+    """Plan ``p``'s launch on the Gluon NVFP4-weight prefill GEMM (``gluon_nvfp4_prefill.py``): int32 offsets, or
+    masked int32 counts and the experts' row blocks flattened (:func:`_int32_index`), and the weights' global scales
+    (``c.wgs``: one per expert already). NVFP4 x is decoded to its bf16 copy first, as for the tl kernel, and its
+    global scales (one, or one per row) enter as the kernel's row factor, ``256 / xgs`` (times the routing weight,
+    where there is one), applied before SwiGLU as the tl kernel applies it."""
     from . import gluon_nvfp4_prefill
-    offsets = _int32_offsets(c)
     xd, row_factor = c.xd, c.row_scale
     if p.x_decoded:
-        xd = decode_nvfp4(c.xd, c.xs, c.xshape)
+        xd = decode_nvfp4(c.xd, c.xs, c.xshape, None if c.ragged else c.idx)
         row_factor = (256.0 / c.xgs).expand(c.S)  # (c.xgs: fp32, flat: one, or one per row)
         if c.row_scale is not None:
-            row_factor = row_factor * c.row_scale
+            row_factor = row_factor * c.row_scale.reshape(c.S)
         row_factor = row_factor.contiguous()
-    gluon_nvfp4_prefill.launch(xd, c.wd, c.ws, c.wgs, offsets, c.out, row_factor, p.config["BLOCK_T"], p.grid,
-                               swiglu=c.swiglu)
+    gluon_nvfp4_prefill.launch(xd.reshape(c.S, c.K), c.wd, c.ws, c.wgs, _int32_index(c), c.out.view(c.S, c.N),
+                               None if row_factor is None else row_factor.reshape(c.S), p.config["BLOCK_T"], p.grid,
+                               swiglu=c.swiglu, m_max=None if c.ragged else c.M_max)
 
 
-def _int32_offsets(c: _Call) -> torch.Tensor:
-    """The call's offsets as the Gluon kernels take them, int32: int64 ones (HT expert-major's) clamped to [0, S]
-    first, as the kernels would clamp them, so that no value wraps in the cast."""
-    return c.idx if c.idx.dtype is torch.int32 else c.idx.clamp(0, c.S).to(torch.int32)
+def _int32_index(c: _Call) -> torch.Tensor:
+    """The call's offsets (or masked counts) as the Gluon kernels take them, int32: int64 ones (HT expert-major's)
+    clamped to [0, S] (counts: [0, M_max]) first, as the kernels would clamp them, so that no value wraps in the
+    cast."""
+    return c.idx if c.idx.dtype is torch.int32 else c.idx.clamp(0, c.S if c.ragged else c.M_max).to(torch.int32)
 
 
 def _flags(p: GemmPlan) -> dict:

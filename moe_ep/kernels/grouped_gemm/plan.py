@@ -50,10 +50,11 @@ class GemmPlan:
       with SwiGLU and an FP8 output; at most ``gluon_fp8.MAX_EXPERTS`` experts. ``config`` is ``{"VARIANT": name,
       "BLOCK_M": .., "BLOCK_N": ..}`` of the kernel's default variant, ``config_source`` "variant", ``grid`` the
       persistent programs, one per SM; ``tma`` and ``persistent`` True), or "gluon-nvfp4" (``gluon_nvfp4_prefill.py``:
-      a ragged call of NVFP4 weights with a bf16 output from ``MOE_EP_GLUON_NVFP4_MIN_M`` tokens per expert on, where
-      ``gluon_nvfp4_prefill.dispatchable`` and ``takes`` the sizes, without a forced config; both forms; the weights
-      never decoded to a copy, NVFP4 x decoded as for the tl kernel. ``config`` is ``{"BLOCK_T": .., "BLOCK_N":
-      ..}``, the token tile of the bucket and the tile's output columns; the rest as for "gluon-fp8").
+      a call of NVFP4 weights with a bf16 output from ``MOE_EP_GLUON_NVFP4_MIN_M`` tokens per expert on, where
+      ``gluon_nvfp4_prefill.dispatchable`` (of its layout: ragged, or masked) and ``takes`` the sizes, without a
+      forced config; both forms; the weights never decoded to a copy, NVFP4 x decoded as for the tl kernel.
+      ``config`` is ``{"BLOCK_T": .., "BLOCK_N": ..}``, the token tile of the bucket and the tile's output columns;
+      the rest as for "gluon-fp8").
     """
     layout: str
     sizes: tuple
@@ -144,8 +145,8 @@ def _decide(ragged, fmt, swiglu, row_scale, G, N, K, M_max, S, m, chain, pdl, co
     if config is None and fp8 and ragged and out_format != "fp32" and swiglu == fp8_out and \
             gluon_fp8_takes(bucket, G, opts):
         return _gluon_fp8_plan(base)
-    if config is None and w_fp4 and ragged and out_format == "bf16" and \
-            gluon_nvfp4_takes(bucket, G, N, K, swiglu, opts):
+    if config is None and w_fp4 and out_format == "bf16" and \
+            gluon_nvfp4_takes(bucket, G, N, K, swiglu, opts, masked=not ragged):
         return _gluon_nvfp4_plan(base)
     if x_fp4 and w_fp4 and sm100_fp4.available():  # W4A4 on Blackwell: native FP4 MMAs
         cfg, source, path = _sm100_config(N, K, m, swiglu, config)
@@ -194,18 +195,20 @@ def _gluon_fp8_plan(base: dict) -> GemmPlan:
                     persistent=True, grid=device_facts.sm_count(), path="gluon-fp8")
 
 
-def gluon_nvfp4_takes(bucket: int, G: int, N: int, K: int, swiglu: bool, opts: options.Options | None = None) -> bool:
-    """Whether a ragged call of NVFP4 weights (bf16 or NVFP4 x) of ``bucket`` tokens per expert and these sizes (N:
-    GEMM1's I), bf16 out, no forced config, runs the Gluon prefill GEMM here: from ``MOE_EP_GLUON_NVFP4_MIN_M`` on,
-    where ``gluon_nvfp4_prefill.dispatchable()`` and the kernels take the sizes (``gluon_nvfp4_prefill.takes``)."""
+def gluon_nvfp4_takes(bucket: int, G: int, N: int, K: int, swiglu: bool, opts: options.Options | None = None,
+                      masked: bool = False) -> bool:
+    """Whether a call of NVFP4 weights (bf16 or NVFP4 x) of ``bucket`` tokens per expert and these sizes (N: GEMM1's
+    I), bf16 out, no forced config, ragged or ``masked``, runs the Gluon prefill GEMM here: from
+    ``MOE_EP_GLUON_NVFP4_MIN_M`` on, where ``gluon_nvfp4_prefill.dispatchable(masked)`` and the kernels take the sizes
+    (``gluon_nvfp4_prefill.takes``)."""
     if bucket < ((opts or options.current()).gluon_nvfp4_min_m or float("inf")):
         return False
     from . import gluon_nvfp4_prefill  # (here: Gluon is imported only where a call may take it)
-    return gluon_nvfp4_prefill.takes(G, N, K, swiglu) and gluon_nvfp4_prefill.dispatchable()
+    return gluon_nvfp4_prefill.takes(G, N, K, swiglu) and gluon_nvfp4_prefill.dispatchable(masked)
 
 
 def _gluon_nvfp4_plan(base: dict) -> GemmPlan:
-    """The plan of a ragged NVFP4-weight prefill call on the Gluon kernel (``gluon_nvfp4_prefill.py``), where
+    """The plan of an NVFP4-weight prefill call on the Gluon kernel (``gluon_nvfp4_prefill.py``), where
     :func:`gluon_nvfp4_takes`: the token tile of its bucket, the weights read as they are (no decoded copy); NVFP4
     x decoded once, as for the tl kernel (``x_decoded``)."""
     from . import gluon_nvfp4_prefill
