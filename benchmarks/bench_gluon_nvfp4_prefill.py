@@ -1,11 +1,12 @@
 """Time the Gluon NVFP4-weight prefill GEMM (Hopper) against the tl NVFP4 path, the tl bf16 path and torch's bf16
-grouped GEMM, prefill shapes.
+grouped GEMM, prefill shapes (and a few decode ones).
 
 Each row: one grouped GEMM of a model's local experts, ragged x with the same rows per expert: GEMM2 (N = H, K = I,
 bf16 out times the row's routing weight) or GEMM1 (w13 of 2I rows, K = H, SwiGLU fused, bf16 ``[M, I]`` out; the tl
 paths with ``swiglu=True``, torch's as its GEMM and ``silu(gate) * up``). Weights: ``quantize_nvfp4`` of bf16 ones, a
-global scale per expert. Columns, all CUDA-graph timed medians in this run: each variant of the Gluon kernel (its token
-tile: 128 or 256), the tl NVFP4 path
+global scale per expert. Columns, all CUDA-graph timed medians in this run: each variant of the Gluon kernel
+(``VARIANTS``: its token tile, and where its scale words load; launched as the dispatcher launches it), the tile the
+dispatcher picks with parts of its decode left out (wrong results), the tl NVFP4 path
 (``moe_ep.kernels.grouped_gemm`` on the same NvFp4Tensor, autotuned first, bounded search: the dispatcher's path,
 which from ``MOE_EP_DECODED_MIN_M`` rows per expert on decodes the weights into a transient bf16 copy first), the tl
 bf16 path and ``torch._grouped_mm`` on the bf16 weights the NVFP4 ones were quantized from, the FLOP floor at 989
@@ -32,9 +33,7 @@ from moe_ep.commands.timing import time_graph  # noqa: E402
 from moe_ep.kernels import nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels.grouped_gemm import grouped_gemm  # noqa: E402
 from moe_ep.kernels.grouped_gemm import gluon_nvfp4_prefill  # noqa: E402
-from moe_ep.kernels.grouped_gemm.gluon_nvfp4_prefill import (TOKEN_TILES,  # noqa: E402
-                                                             gluon_nvfp4_prefill_grouped_gemm,
-                                                             gluon_nvfp4_prefill_swiglu_grouped_gemm)
+from moe_ep.kernels.grouped_gemm.gluon_nvfp4_prefill import TOKEN_TILES, token_tile  # noqa: E402
 from moe_ep.reference import dequantize_nvfp4_ref  # noqa: E402
 
 BF16_PEAK = 989e12
@@ -54,14 +53,17 @@ SHAPES = [  # (name, experts, N (GEMM1: I), K, rows per expert, GEMM1's form)
     ("DeepSeek-V3 EP8 gemm2", 32, 7168, 2048, 64, False),
     ("DeepSeek-V3 EP8 gemm1", 32, 2048, 7168, 64, True),
 ]
-VARIANTS = {f"t{bt}": dict(block_t=bt) for bt in TOKEN_TILES}
+VARIANTS = {**{f"t{bt}": dict(block_t=bt) for bt in TOKEN_TILES},
+            **{f"t{bt}s3": dict(block_t=bt, scale_ahead=3) for bt in (128, 256)}}
+"""Each token tile, and the 128 and 256 ones with the scale words loaded 3 K steps ahead of their decode (s3)."""
 
 
 def variants_for(rows: int) -> list[str]:
-    """The token tiles timed at ``rows`` tokens per expert: from the smallest holding them (up to 128) on, at most
-    three, and 256 only from 128 rows on."""
+    """The variants timed at ``rows`` tokens per expert: the token tiles from the smallest holding them (up to 128)
+    on, at most three, and 256 (and the s3 variants) only from 128 rows on."""
     first = next(i for i, t in enumerate(TOKEN_TILES) if t >= min(rows, 128))
-    return [f"t{t}" for t in TOKEN_TILES[first:first + 3] if t < 256 or rows >= 128]
+    tiles = [f"t{t}" for t in TOKEN_TILES[first:first + 3] if t < 256 or rows >= 128]
+    return tiles + (["t128s3", "t256s3"] if rows >= 128 else [])
 
 
 def rel_err(a, b):
@@ -85,14 +87,15 @@ def reference(x, wq, offs, swiglu):
     return out
 
 
-def ablated(x, wq, offs, rs, swiglu, block_t, ablate):
-    """The Gluon kernel with parts of its decode left out (``gluon_nvfp4_prefill.launch``'s ``ablate``)."""
+def gluon(x, wq, offs, rs, swiglu, block_t, scale_ahead=1, ablate=0):
+    """The Gluon kernel launched as the dispatcher launches it (``gluon_nvfp4_prefill.launch``), with a variant's
+    ``scale_ahead`` or parts of its decode left out (``ablate``: wrong results)."""
     G, R, _ = wq.shape
     out = torch.empty(x.shape[0], R // 2 if swiglu else R, dtype=torch.bfloat16, device=x.device)
     gs = wq.global_scale.reshape(-1).float().expand(G).contiguous()
     gluon_nvfp4_prefill.launch(x, wq.data, wq.scales, gs, offs, out, rs, block_t,
                                torch.cuda.get_device_properties(x.device).multi_processor_count, swiglu=swiglu,
-                               ablate=ablate)
+                               scale_ahead=scale_ahead, ablate=ablate)
     return out
 
 
@@ -123,17 +126,14 @@ def run_row(name, G, N, K, rows, swiglu):
             print(f"  {name} {rows}: {col} failed: {error_line(row[f'{col}_error'])}", flush=True)
 
     for variant in variants_for(rows):
-        kw = VARIANTS[variant]
-        if swiglu:
-            timed(variant, lambda kw=kw: gluon_nvfp4_prefill_swiglu_grouped_gemm(x, wq, offs, **kw))
-        else:
-            timed(variant, lambda kw=kw: gluon_nvfp4_prefill_grouped_gemm(x, wq, offs, row_scale=rs, **kw))
-    # the first tile again with the decode's bit operations left out, then also the scale conversion: how much of
-    # the time they are (wrong results: no error column)
-    bt = VARIANTS[variants_for(rows)[0]]["block_t"]
+        timed(variant, lambda kw=VARIANTS[variant]: gluon(x, wq, offs, rs, swiglu, **kw))
+    # the tile the dispatcher picks again with the decode's bit operations left out, then also the scale conversion:
+    # how much of the time they are (wrong results: no error column)
+    bt = token_tile(rows)
     for col, ablate in (("no_decode", 1), ("no_decode_scale", 3)):
         try:
-            row[f"{col}_us"] = time_graph(lambda ablate=ablate: ablated(x, wq, offs, rs, swiglu, bt, ablate)) * 1e6
+            call = (lambda ablate=ablate: gluon(x, wq, offs, rs, swiglu, bt, ablate=ablate))
+            row[f"{col}_us"] = time_graph(call) * 1e6
         except Exception:  # noqa: BLE001
             row[f"{col}_error"] = traceback.format_exc()[-2000:]
     for col, b in (("tl_nvfp4", wq), ("tl_bf16", w)):
@@ -160,7 +160,7 @@ def main():
     def f(v):
         return "-" if v is None or v != v else f"{v:8.1f}"
 
-    cols = [*VARIANTS, "no_decode", "no_decode_scale", "tl_nvfp4", "tl_bf16", "torch_bf16"]
+    cols = [*VARIANTS, "no_decode", "no_decode_scale", "tl_nvfp4", "tl_bf16", "torch_bf16"]  # (a wide table)
     print(f"\n{'shape':28} {'rows/e':>6} " + " ".join(f"{c[:12]:>12}" for c in cols) + f" {'floor':>8} "
           f"{'best/bf16':>9} {'best/tlfp4':>10} {'floor/best':>10}")
     for r in rows:
@@ -176,8 +176,9 @@ def main():
         for k in [k for k in r if k.endswith("_error")]:
             print(f"  {k}: {error_line(r[k])}")
     print("times in us (median of CUDA-graph replays), GEMM2 rows with their routing weights; floor: 2 M N K / "
-          "989 TFLOP/s (dense bf16; GEMM1: N = 2I); best: the fastest Gluon variant; no_decode(_scale): the first "
-          "tile without the code decode's bit operations (and the scale conversion), wrong results; rel err: relative "
+          "989 TFLOP/s (dense bf16; GEMM1: N = 2I); best: the fastest Gluon variant; s3: scale words 3 K steps "
+          "ahead; no_decode(_scale): the dispatcher's tile without the code decode's bit operations (and the scale "
+          "conversion), wrong results; rel err: relative "
           "Frobenius error against fp32 on the dequantized NVFP4 weights (tl_bf16, torch_bf16: on the bf16 "
           "weights they were quantized from, so their error is NVFP4's rounding)")
 

@@ -262,13 +262,16 @@ def gluon_nvfp4():
 def gluon_nvfp4_prefill():
     """(Gluon kernel, signature, constexprs, compile options) per token tile and form (GEMM2's with and without the
     row scale, GEMM1's SwiGLU) of the Hopper NVFP4-weight prefill GEMM, with and without the TMA store, ragged, and
-    each form masked at one tile, as a launch builds it: sm_90 only (:data:`SM90_ONLY`)."""
+    each form masked at one tile and with its scale words 3 steps ahead at another, as a launch builds it: sm_90 only
+    (:data:`SM90_ONLY`)."""
     kernel = _gluon_nvfp4_prefill._gluon_nvfp4_prefill_kernel
     return [(kernel, *_gluon_nvfp4_prefill.compile_signature(block_t, has_rs, tma_store, swiglu))
             for block_t in _gluon_nvfp4_prefill.TOKEN_TILES for swiglu in (False, True)
             for has_rs in ((False, ) if swiglu else (True, False)) for tma_store in (True, False)
             if tma_store or block_t == 128] + \
         [(kernel, *_gluon_nvfp4_prefill.compile_signature(128, not swiglu, True, swiglu, masked=True))
+         for swiglu in (False, True)] + \
+        [(kernel, *_gluon_nvfp4_prefill.compile_signature(256, not swiglu, True, swiglu, scale_ahead=3))
          for swiglu in (False, True)]  # (an out TMA cannot store into takes 128-token tiles: launch)
 
 

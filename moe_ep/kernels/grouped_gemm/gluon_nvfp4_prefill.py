@@ -227,7 +227,7 @@ def _decode_a(words, sw, a_layout: gl.constexpr, ABLATE: gl.constexpr = 0):
 @gluon.jit
 def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, MMAX,
               o_desc, o_tile, WG: gl.constexpr, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
-              SWIGLU: gl.constexpr, MASKED: gl.constexpr, ABLATE: gl.constexpr):
+              SWIGLU: gl.constexpr, MASKED: gl.constexpr, SCALE_AHEAD: gl.constexpr, ABLATE: gl.constexpr):
     """Math warpgroup WG: weight rows WG * 64 .. WG * 64 + 63 of each of this program's tiles against the tile's
     tokens, then stored (times 256 / gs, and with HAS_RS the token's routing weight) as out[token, row] where the
     token is its expert's and the row < N. SWIGLU: the warpgroup's rows are 4 groups of 8 gate rows over their 8 up
@@ -279,6 +279,10 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
                 s_ptrs = ws_ptr + (g * N + wrow).to(gl.int64) * KW
                 s_mask = wrow < N
             sw = gl.load(s_ptrs, mask=s_mask, other=0)
+            # SCALE_AHEAD 3 (a variant, not yet timed): the scale words loaded 3 K steps ahead, not 1, in case their
+            # latency (from DRAM: each is read once a tile) outlasts a step
+            sw1 = gl.load(s_ptrs + 1, mask=s_mask & (1 < KW), other=0) if SCALE_AHEAD == 3 else sw
+            sw2 = gl.load(s_ptrs + 2, mask=s_mask & (2 < KW), other=0) if SCALE_AHEAD == 3 else sw
             for ks in range(k_steps):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
@@ -294,13 +298,17 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
                 words = gl.convert_layout(gl.reshape(words, [_WG_ROWS, 4, 2]), word_layout)
                 a = _decode_a(words, sw, a_layout, ABLATE)
                 acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, use_acc=ks > 0, is_async=True)
-                # the next step's scale bytes load while this step's MMA runs
-                sw = gl.load(s_ptrs + (ks + 1), mask=s_mask & (ks + 1 < KW), other=0)
+                # the next step's scale bytes (SCALE_AHEAD: the step's that far ahead) load while this MMA runs
+                sw_next = gl.load(s_ptrs + (ks + SCALE_AHEAD), mask=s_mask & (ks + SCALE_AHEAD < KW), other=0)
                 # the MMA is waited for here: its A registers must stay as they are until it is done, and Triton
                 # 3.6 cannot keep the packed registers wgmma reads alive past a later wait (ptxas then serializes
                 # the step's MMAs); the other math warpgroup's MMA runs while this one decodes its next step
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(empty.index(slot), count=1)
+                if SCALE_AHEAD == 3:
+                    sw, sw1, sw2 = sw1, sw2, sw_next
+                else:
+                    sw = sw_next
                 i += 1
             vals = acc * inv
             tok = row0 + toks
@@ -336,7 +344,8 @@ def _consumer(ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, 
 @gluon.jit
 def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, M, N, K, G, N_TILES,
                                 MMAX, o_desc, STAGES: gl.constexpr, HAS_RS: gl.constexpr, TMA_STORE: gl.constexpr,
-                                SWIGLU: gl.constexpr, MASKED: gl.constexpr, ABLATE: gl.constexpr):
+                                SWIGLU: gl.constexpr, MASKED: gl.constexpr, SCALE_AHEAD: gl.constexpr,
+                                ABLATE: gl.constexpr):
     """Persistent program p: tiles p, p + P, ... of the expert-major tile order (module docstring). ``o_desc``: with
     TMA_STORE a descriptor over out ``[M, N]`` of ``[BLOCK_T, 64]`` boxes (SWIGLU: 32), else out again (unread). N:
     the output's columns (SWIGLU: I, of w13's 2I rows an expert). ``offs_ptr``: the offsets ``[G + 1]``, or with
@@ -358,9 +367,11 @@ def _gluon_nvfp4_prefill_kernel(x_desc, q_desc, ws_ptr, gs_ptr, rs_ptr, out_ptr,
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
-                     MMAX, o_desc, o_tiles.index(0), 0, STAGES, HAS_RS, TMA_STORE, SWIGLU, MASKED, ABLATE)),
+                     MMAX, o_desc, o_tiles.index(0), 0, STAGES, HAS_RS, TMA_STORE, SWIGLU, MASKED, SCALE_AHEAD,
+                     ABLATE)),
         (_consumer, (ws_ptr, gs_ptr, rs_ptr, out_ptr, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES,
-                     MMAX, o_desc, o_tiles.index(1), 1, STAGES, HAS_RS, TMA_STORE, SWIGLU, MASKED, ABLATE)),
+                     MMAX, o_desc, o_tiles.index(1), 1, STAGES, HAS_RS, TMA_STORE, SWIGLU, MASKED, SCALE_AHEAD,
+                     ABLATE)),
         (_producer, (x_desc, q_desc, offs_ptr, x_ring, q_ring, ready, empty, M, N, K, G, N_TILES, MMAX, STAGES, SWIGLU,
                      MASKED)),
     ], [4, 1], [232, 24])
@@ -466,13 +477,14 @@ def check_gluon_nvfp4_prefill(x: torch.Tensor, w: NvFp4Tensor, offsets: torch.Te
 
 def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor, offsets: torch.Tensor,
            out: torch.Tensor, row_scale: torch.Tensor | None, block_t: int, num_programs: int,
-           swiglu: bool = False, m_max: int | None = None, ablate: int = 0) -> None:
+           swiglu: bool = False, m_max: int | None = None, scale_ahead: int = 1, ablate: int = 0) -> None:
     """Launch the kernel on checked parts (at least one row): x bf16 ``[M, K]``, codes uint8 ``[G, R, K/2]``, scale
     bytes ``[G, R, K/16]`` (any 1-byte dtype), fp32 ``gs [G]``, int32 ``offsets [G + 1]``, ``out`` bf16 ``[M, N]``
     (N = R, or with ``swiglu`` R / 2: w13's gate rows then up rows), ``row_scale`` fp32 ``[M]`` or None, the
     persistent grid ``num_programs``. ``m_max`` (masked layout): x and out are the experts' ``m_max``-row blocks
-    (``M = G * m_max``) and ``offsets`` their int32 counts ``[G]``. ``ablate`` (benchmarks only, wrong results): 1
-    leaves the code decode's bit operations out, 2 the scale conversion."""
+    (``M = G * m_max``) and ``offsets`` their int32 counts ``[G]``. ``scale_ahead``: how many K steps ahead of their
+    decode the scale words load, 1 or 3 (benchmarks: 3 is not yet timed). ``ablate`` (benchmarks only, wrong
+    results): 1 leaves the code decode's bit operations out, 2 the scale conversion."""
     G, R, K2 = codes.shape
     K = 2 * K2
     N = R // 2 if swiglu else R
@@ -493,7 +505,8 @@ def launch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gs: torch
                                                   -(-N // (2 * wg_columns(swiglu))), m_max or 0, o_desc,
                                                   STAGES=ring_stages(block_t), HAS_RS=row_scale is not None,
                                                   TMA_STORE=tma_store, SWIGLU=bool(swiglu),
-                                                  MASKED=m_max is not None, ABLATE=ablate, num_warps=4)
+                                                  MASKED=m_max is not None, SCALE_AHEAD=scale_ahead,
+                                                  ABLATE=ablate, num_warps=4)
 
 
 def _run(x, w, offsets, counts, row_scale, out, block_t, num_programs, swiglu):
@@ -566,13 +579,13 @@ def gluon_nvfp4_prefill_swiglu_grouped_gemm(x: torch.Tensor, w13: NvFp4Tensor, o
 
 
 def compile_signature(block_t: int, has_rs: bool = True, tma_store: bool = True,
-                      swiglu: bool = False, masked: bool = False) -> tuple[dict, dict, dict]:
+                      swiglu: bool = False, masked: bool = False, scale_ahead: int = 1) -> tuple[dict, dict, dict]:
     """(signature, constexprs, compile options) of :func:`_gluon_nvfp4_prefill_kernel` for a token tile, form
-    (``swiglu``: GEMM1's, no row scale) and layout, as a launch builds it, for a GPU-less ``triton.compile`` (compile
-    checks)."""
+    (``swiglu``: GEMM1's, no row scale), layout and ``scale_ahead`` (:func:`launch`), as a launch builds it, for a
+    GPU-less ``triton.compile`` (compile checks)."""
     lay = shared_layouts(block_t, swiglu)
     consts = dict(STAGES=ring_stages(block_t), HAS_RS=has_rs and not swiglu, TMA_STORE=tma_store, SWIGLU=swiglu,
-                  MASKED=masked, ABLATE=0)
+                  MASKED=masked, SCALE_AHEAD=scale_ahead, ABLATE=0)
     box = ", ".join(map(str, code_box(swiglu)))
     sig = {"x_desc": f"tensordesc<bf16[{block_t}, {BLOCK_K}],{lay['x']!r}>",
            "q_desc": f"tensordesc<i32[{box}],{lay['codes']!r}>",
