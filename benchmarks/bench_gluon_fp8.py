@@ -24,7 +24,8 @@ import torch
 
 import moe_ep  # noqa: F401  (before triton)
 from moe_ep import options  # noqa: E402
-from moe_ep.commands.bench_rows import error_line, run_rows  # noqa: E402
+from moe_ep.commands.bench_rows import error_line, run_rows, timed_column  # noqa: E402
+from moe_ep.commands.bench_rows import rel_err as bf16_rel_err  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph  # noqa: E402
 from moe_ep.kernels import grouped_gemm  # noqa: E402
@@ -46,8 +47,7 @@ SHAPES = [  # (name, N (GEMM1: I), K, rows per expert, GEMM1's form)
 
 
 def rel_err(a, b):
-    a = dequantize_fp8_ref(a.data, a.scales, 1) if isinstance(a, Fp8Tensor) else a
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+    return bf16_rel_err(dequantize_fp8_ref(a.data, a.scales, 1) if isinstance(a, Fp8Tensor) else a, b)
 
 
 def reference(x8, w8, offs, swiglu):
@@ -93,14 +93,7 @@ def run_row(name, N, K, rows, swiglu):
             if swiglu:
                 return gluon_fp8_swiglu_grouped_gemm(x8, w8, offs, variant=v)
             return gluon_fp8_grouped_gemm(x8, w8, offs, row_scale=rs, variant=v)
-        try:
-            out = call()
-            torch.cuda.synchronize()
-            row[f"rel_err_{variant}"] = rel_err(out, ref)
-            row[f"{variant}_us"] = time_graph(call) * 1e6
-        except Exception:  # noqa: BLE001  (reported in the row: the other variants still run)
-            row[f"{variant}_error"] = traceback.format_exc()[-2000:]
-            print(f"  {name} {rows}: variant {variant} failed: {error_line(row[f'{variant}_error'])}", flush=True)
+        timed_column(row, variant, call, ref, err=rel_err, label=f"{name} {rows}")
     for col, a, b in (("tl_fp8", x8, w8), ("tl_bf16", x, w)):
         def tl_call(a=a, b=b, **kw):
             return grouped_gemm(a, b, offsets=offs, row_scale=rs, m_hint=rows, swiglu=swiglu,

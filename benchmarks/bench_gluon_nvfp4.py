@@ -24,7 +24,7 @@ import torch
 
 import moe_ep  # noqa: F401  (before triton)
 from moe_ep import options  # noqa: E402
-from moe_ep.commands.bench_rows import error_line, run_rows  # noqa: E402
+from moe_ep.commands.bench_rows import error_line, rel_err, run_rows, timed_column  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
 from moe_ep.commands.timing import time_graph, time_read  # noqa: E402
 from moe_ep.kernels import grouped_gemm, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
@@ -39,10 +39,6 @@ SHAPES = [  # (name, local experts G, N, K, tokens per expert)
     ("Qwen3-30B-A3B gemm1 (gate+up)", 128, 1536, 2048, 8),
     ("Qwen3-30B-A3B gemm2 (down)", 128, 2048, 768, 8),
 ]
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def reference(x, w, offs):
@@ -68,14 +64,8 @@ def run_row(name, G, N, K, tpe):
     row["read_weights_us"] = time_read(w.data, w.scales.view(torch.uint8)) * 1e6
     ref = reference(x, w, offs)
     for col, fast in (("gluon", True), ("gluon_plain", False)):  # PTX decode (the default), plain fp32 decode
-        try:
-            out = gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, fast_decode=fast)
-            torch.cuda.synchronize()
-            row[f"rel_err_{col}"] = rel_err(out, ref)
-            row[f"{col}_us"] = time_graph(
-                lambda f=fast: gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe, fast_decode=f)) * 1e6
-        except Exception:  # noqa: BLE001  (reported in the row: the other columns still say something)
-            row[f"{col}_error"] = traceback.format_exc()[-2000:]
+        timed_column(row, col, lambda f=fast: gluon_nvfp4_grouped_gemm(x, w, offs, tokens_per_expert=tpe,
+                                                                       fast_decode=f), ref, label=f"{name} {tpe}")
     sweep = {}
     for stages, maxnreg, overlap in LAUNCH_SWEEP[1:]:
         key = f"stages{stages}_regs{maxnreg}{'_overlap' if overlap else ''}"

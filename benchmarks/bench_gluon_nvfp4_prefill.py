@@ -21,15 +21,13 @@ From the repository root, on an H100 / H200:
 from __future__ import annotations
 
 import argparse
-import traceback
 
 import torch
 
 import moe_ep  # noqa: F401  (before triton)
 from moe_ep import options  # noqa: E402
-from moe_ep.commands.bench_rows import error_line, run_rows  # noqa: E402
+from moe_ep.commands.bench_rows import error_line, run_rows, timed_column  # noqa: E402
 from moe_ep.commands.common import uniform_offsets  # noqa: E402
-from moe_ep.commands.timing import time_graph  # noqa: E402
 from moe_ep.kernels import nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moe_ep.kernels.grouped_gemm import grouped_gemm  # noqa: E402
 from moe_ep.kernels.grouped_gemm import gluon_nvfp4_prefill  # noqa: E402
@@ -64,10 +62,6 @@ def variants_for(rows: int) -> list[str]:
     first = next(i for i, t in enumerate(TOKEN_TILES) if t >= min(rows, 128))
     tiles = [f"t{t}" for t in TOKEN_TILES[first:first + 3] if t < 256 or rows >= 128]
     return tiles + (["t128s3", "t256s3"] if rows >= 128 else [])
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def swiglu_of(h, n):
@@ -115,15 +109,8 @@ def run_row(name, G, N, K, rows, swiglu):
     if rs is not None:
         ref = ref * rs[:, None]
 
-    def timed(col, call):
-        try:
-            out = call()
-            torch.cuda.synchronize()
-            row[f"rel_err_{col}"] = rel_err(out, ref)
-            row[f"{col}_us"] = time_graph(call) * 1e6
-        except Exception:  # noqa: BLE001  (reported in the row: the other columns still run)
-            row[f"{col}_error"] = traceback.format_exc()[-2000:]
-            print(f"  {name} {rows}: {col} failed: {error_line(row[f'{col}_error'])}", flush=True)
+    def timed(col, call, checked=True):
+        timed_column(row, col, call, ref if checked else None, label=f"{name} {rows}")
 
     for variant in variants_for(rows):
         timed(variant, lambda kw=VARIANTS[variant]: gluon(x, wq, offs, rs, swiglu, **kw))
@@ -131,11 +118,7 @@ def run_row(name, G, N, K, rows, swiglu):
     # how much of the time they are (wrong results: no error column)
     bt = token_tile(rows)
     for col, ablate in (("no_decode", 1), ("no_decode_scale", 3)):
-        try:
-            call = (lambda ablate=ablate: gluon(x, wq, offs, rs, swiglu, bt, ablate=ablate))
-            row[f"{col}_us"] = time_graph(call) * 1e6
-        except Exception:  # noqa: BLE001
-            row[f"{col}_error"] = traceback.format_exc()[-2000:]
+        timed(col, lambda ablate=ablate: gluon(x, wq, offs, rs, swiglu, bt, ablate=ablate), checked=False)
     for col, b in (("tl_nvfp4", wq), ("tl_bf16", w)):
         with options.override(autotune_quick=True):
             grouped_gemm(x, b, offsets=offs, row_scale=rs, m_hint=rows, swiglu=swiglu)  # autotune outside the timing

@@ -37,6 +37,7 @@ from moe_ep.kernels import expert_mlp, grouped_gemm, nvfp4_global_scale, quantiz
 from moe_ep import device_facts, options  # noqa: E402
 from moe_ep.kernels import dequantize_nvfp4  # noqa: E402
 from moe_ep.kernels.fp8 import FP8_BLOCK, Fp8Tensor, dequantize_fp8, quantize_fp8  # noqa: E402
+from moe_ep.commands.bench_rows import rel_err  # noqa: E402
 from moe_ep.kernels.grouped_gemm import config_space, gluon_fp8, gluon_nvfp4_prefill  # noqa: E402
 from moe_ep.triton_runtime import triton_minor  # noqa: E402
 from moe_ep.commands.common import routed_offsets, uniform_offsets  # noqa: E402
@@ -54,10 +55,6 @@ MODELS = {  # name: (local experts, hidden H, intermediate I, tokens-per-expert 
 }
 ROUTED_MAX = 128  # rows with this many tokens per expert or fewer are also timed routed, and masked
 QUICK = {"DeepSeek-V3 EP8": (16, 1024), "Qwen3-30B-A3B": (8,), "Mixtral-8x7B": (512,)}
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def torch_mlp(x, w13t, w2t, offs_end, inter):

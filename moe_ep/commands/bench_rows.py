@@ -11,6 +11,8 @@ import traceback
 import torch
 import triton
 
+from .timing import time_graph
+
 
 def run_rows(shapes, run_row, out: str, failed_row=lambda shape: {"shape": list(shape)}) -> list[dict]:
     """``run_row(*shape)`` (a dict) for each of ``shapes`` on this CUDA GPU (exits saying so without one); a row that
@@ -39,4 +41,26 @@ def error_line(tb: str) -> str:
     """The last line of a recorded traceback (the exception and its message), at most 300 characters: how a row's
     error is printed."""
     return tb.strip().splitlines()[-1][:300]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The relative Frobenius error of ``a`` against ``b``, in fp32: the studies' error columns."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def timed_column(row: dict, col: str, call, ref: torch.Tensor | None = None, err=rel_err, label: str = "",
+                 timer=time_graph) -> None:
+    """One column of a study's row: with ``ref``, ``call()`` once and its error against ``ref`` as
+    ``row["rel_err_<col>"]`` (``err(out, ref)``); then its time in us as ``row["<col>_us"]`` (``timer(call)``
+    seconds, default the CUDA-graph median of :func:`~.timing.time_graph`). An exception is kept as
+    ``row["<col>_error"]`` (the traceback's tail) and printed after ``label``, and the row's other columns still run."""
+    try:
+        if ref is not None:
+            out = call()
+            torch.cuda.synchronize()
+            row[f"rel_err_{col}"] = err(out, ref)
+        row[f"{col}_us"] = timer(call) * 1e6
+    except Exception:  # noqa: BLE001  (kept in the row: its other columns still run)
+        row[f"{col}_error"] = traceback.format_exc()[-2000:]
+        print(f"  {label}: {col} failed: {error_line(row[f'{col}_error'])}", flush=True)
 
