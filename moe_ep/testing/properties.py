@@ -287,10 +287,10 @@ def _nvfp4_weight_problem(c: dict, w_rows: int, dev):
 
 def gluon_nvfp4_prefill_problem(c: dict, dev):
     """A :func:`~.strategies.gluon_nvfp4_prefill_cases` case's operands: bf16 x, NVFP4 weights (w13 of 2N rows with
-    ``swiglu``), the int32 index (offsets, or with ``masked`` the counts of x ``[G, M_max, K]``: the ragged rows of
-    each expert at the start of its block, the block's other rows drawn too), the routing weights or None, the rows
-    within the experts, and the fp32 reference on the dequantized weights (SwiGLU of it for GEMM1, times the routing
-    weights for GEMM2)."""
+    ``swiglu``), the layout as keyword arguments (``offsets``, or with ``masked`` the ``counts`` of x ``[G, M_max,
+    K]``: the ragged rows of each expert at the start of its block, the block's other rows drawn too; int32), the
+    routing weights or None, the rows within the experts, and the fp32 reference on the dequantized weights (SwiGLU of
+    it for GEMM1, times the routing weights for GEMM2)."""
     from ..reference import dequantize_nvfp4_ref, grouped_gemm_ref
     x, w, offsets, valid, gen = _nvfp4_weight_problem(c, 2 * c["N"] if c["swiglu"] else c["N"], dev)
     layout = dict(offsets=offsets)
@@ -305,7 +305,7 @@ def gluon_nvfp4_prefill_problem(c: dict, dev):
     rs = (torch.rand(tuple(x.shape[:-1]), generator=gen) + 0.5).to(dev) if c["rs"] else None
     ref = grouped_gemm_ref(x.float(), dequantize_nvfp4_ref(w.data, w.scales, w.global_scale), **layout,
                            row_scale=rs, swiglu=c["swiglu"])
-    return x, w, next(iter(layout.values())), rs, valid, ref
+    return x, w, layout, rs, valid, ref
 
 
 def check_gluon_nvfp4_prefill_gemm(c: dict, dev, problem=None) -> None:
@@ -317,8 +317,7 @@ def check_gluon_nvfp4_prefill_gemm(c: dict, dev, problem=None) -> None:
     from .. import options
     from ..kernels import grouped_gemm
     from ..kernels.grouped_gemm import gluon_nvfp4_prefill as gp
-    x, w, index, rs, valid, ref = gluon_nvfp4_prefill_problem(c, dev) if problem is None else problem
-    layout = dict(counts=index) if c.get("masked") else dict(offsets=index)
+    x, w, layout, rs, valid, ref = gluon_nvfp4_prefill_problem(c, dev) if problem is None else problem
     out = torch.full((*x.shape[:-1], c["N"]), float("nan"), dtype=torch.bfloat16, device=dev)
     if c["swiglu"]:
         got = gp.gluon_nvfp4_prefill_swiglu_grouped_gemm(x, w, **layout, out=out, block_t=c["block_t"])

@@ -414,7 +414,7 @@ def not_dispatchable_reason(masked: bool = False) -> str | None:
     checked = MASKED_CHECKED_TRITONS if masked else CHECKED_TRITONS
     if reason is None and triton_minor() not in checked:
         reason = (f"Triton {triton.__version__}: verified under {' / '.join(checked)} only" if checked
-                  else "masked layout: not yet run on a GPU")
+                  else f"the {'masked' if masked else 'ragged'} layout: not yet run on a GPU")
     return reason
 
 

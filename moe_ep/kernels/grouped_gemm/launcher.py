@@ -270,16 +270,14 @@ def _launch_gluon_nvfp4(c: _Call, p: GemmPlan) -> None:
     global scales (one, or one per row) enter as the kernel's row factor, ``256 / xgs`` (times the routing weight,
     where there is one), applied before SwiGLU as the tl kernel applies it."""
     from . import gluon_nvfp4_prefill
-    xd, row_factor = c.xd, c.row_scale
+    xd, row_factor = c.xd, None if c.row_scale is None else c.row_scale.reshape(c.S)
     if p.x_decoded:
         xd = decode_nvfp4(c.xd, c.xs, c.xshape, None if c.ragged else c.idx)
-        row_factor = (256.0 / c.xgs).expand(c.S)  # (c.xgs: fp32, flat: one, or one per row)
-        if c.row_scale is not None:
-            row_factor = row_factor * c.row_scale.reshape(c.S)
-        row_factor = row_factor.contiguous()
+        x_factor = (256.0 / c.xgs).expand(c.S)  # (c.xgs: fp32, flat: one, or one per row)
+        row_factor = (x_factor if row_factor is None else x_factor * row_factor).contiguous()
     gluon_nvfp4_prefill.launch(xd.reshape(c.S, c.K), c.wd, c.ws, c.wgs, _int32_index(c), c.out.view(c.S, c.N),
-                               None if row_factor is None else row_factor.reshape(c.S), p.config["BLOCK_T"], p.grid,
-                               swiglu=c.swiglu, m_max=None if c.ragged else c.M_max)
+                               row_factor, p.config["BLOCK_T"], p.grid, swiglu=c.swiglu,
+                               m_max=None if c.ragged else c.M_max)
 
 
 def _int32_index(c: _Call) -> torch.Tensor:
