@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_ep import EpConfig, ExpertWeights, MoEEpLayer, options
+from moe_ep.commands.bench_rows import rel_err
 from moe_ep.commands.timing import time_graph, time_host_idle, time_loop
 from moe_ep.forward_plan import ForwardPlan, _DescriptorSlot, _Launch
 from moe_ep.kernels import grouped_gemm, launch_cache
@@ -57,7 +58,7 @@ def graph_mode_times(graphed: MoEEpLayer, x, idx, w, eager_fwd) -> dict:
             "graph_inplace_us": t_inplace.device * 1e6, "graph_inplace_host_us": t_inplace.host * 1e6,
             "graph_replay_host_us": t_replay.host * 1e6,
             "graph_matches_eager": bool(torch.equal(got, ref)),
-            "graph_rel_err": ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()}
+            "graph_rel_err": rel_err(got, ref)}
 
 
 @triton.jit

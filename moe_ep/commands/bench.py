@@ -36,6 +36,7 @@ import torch
 from ..config import SUPPORTED_LAYOUTS
 from ..errors import MoEEpInputError
 from ..triton_runtime import INTERPRETER, device
+from .bench_rows import rel_err
 from .common import (PRESETS, add_format_arguments, add_shape_arguments, check_layer_shape, dist_setup, dist_teardown,
                      int_list, name_list, preset_from_args, print_table, progress, versions, write_json)
 from .timing import time_call, time_loop, time_pair
@@ -137,11 +138,6 @@ def untuned_shapes(presets, kernels: list[str], layer_format: str = "bf16") -> l
 
 
 # --- one row -----------------------------------------------------------------------------------------------
-
-
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _routing(T, K, E, gen, dev):
@@ -293,9 +289,9 @@ class Bench:
             diff = float((out.data != ref[0]).float().mean().item()) if out.data.numel() else 0.0
             diff_kind = "fraction of codes differing"
         elif kernel.startswith("layer"):
-            diff, diff_kind = _rel(out, reference), "rel err vs the dense fp32 MoE over all experts"
+            diff, diff_kind = rel_err(out, reference), "rel err vs the dense fp32 MoE over all experts"
         else:
-            diff, diff_kind = _rel(out, ref), "rel err vs peer"
+            diff, diff_kind = rel_err(out, ref), "rel err vs peer"
         # through the interpreter every call costs seconds: the checked call is the timed one
         timing = "eager"
         if INTERPRETER:
