@@ -165,9 +165,6 @@ def run_row(name, E, H, I, tpe, table, formats=("nvfp4",)):
                                                            d2.transpose(1, 2), offs[1:], I))
     except Exception:  # noqa: BLE001
         row["rel_err_nvfp4"] = row["rel_err_nvfp4_x"] = float("nan")
-    del q13, q2, d13, d2, qx
-    del x, w13, w2
-    torch.cuda.empty_cache()
     return row
 
 
@@ -205,8 +202,6 @@ def _fp8_columns(row, x, w13, w2, offs, counts, routed, tpe, table):
         del d13, d2
     except Exception:  # noqa: BLE001
         row["rel_err_fp8"] = float("nan")
-    del q13, q2, xq
-    torch.cuda.empty_cache()
 
 
 def _print_fp8(rows):
@@ -283,6 +278,7 @@ def main():
                 if (tpe < args.rows_from) if args.rows_from is not None else (args.quick and tpe not in QUICK[name]):
                     continue
                 r = run_row(name, E, H, I, tpe, table, formats)
+                torch.cuda.empty_cache()  # the row's tensors went with its call: their memory back before the next
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     with open(args.out, "w") as f:

@@ -33,12 +33,12 @@ EPILOG = """examples:
 def _quantizer_demo(args, dev) -> bool:
     import torch
 
+    from .commands.bench_rows import rel_err
     from .kernels import dequantize_nvfp4, quantize_nvfp4
 
     torch.manual_seed(0)
     x = torch.randn(args.quant_tokens, args.hidden, dtype=torch.bfloat16, device=dev)
-    q = quantize_nvfp4(x)
-    rel = ((dequantize_nvfp4(q).float() - x.float()).norm() / x.float().norm()).item()
+    rel = rel_err(dequantize_nvfp4(quantize_nvfp4(x)), x)
     print(f"[1] NVFP4 round trip of a random bf16 batch [{args.quant_tokens}, {args.hidden}]: relative error "
           f"{rel:.4f} (bound for normal data about 0.1)")
     return rel < 0.15
